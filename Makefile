@@ -1,0 +1,34 @@
+# The two commands: `make run` (set up, prepare the embedded model, start the app) and
+# `make test` (set up, prepare the model, run the test suite). GPU machines: add GPU=1.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+GPU     ?= 0
+export VCHAT_GPU := $(GPU)
+
+.PHONY: setup model run test lock check-config clean
+
+setup:
+	@scripts/setup.sh
+
+model: setup
+	@$(PY) -m engine check
+	@$(PY) -m engine prepare >/dev/null
+
+run: model
+	$(VENV)/bin/chainlit run app.py --headless --host $(HOST) --port $(PORT)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
+# where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).
+FIND_LINKS ?= /opt/wheels
+lock: setup
+	$(VENV)/bin/uv pip compile requirements.in --override overrides.txt \
+	  --python $(PY) --find-links $(FIND_LINKS) --custom-compile-command "make lock" \
+	  -o requirements.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,67 @@
+"""Engine figures for the record: start-up time and output tokens/s at 1 and N streams.
+
+One preset's engine alone on the machine, the model from profiles.yaml (embedded without a
+GPU), every stream `ignore_eos` so all replies have the same length.
+
+    .venv/bin/python -m bench.engine_speed --preset throughput-first --eager
+    .venv/bin/python -m bench.engine_speed --preset throughput-first          # compiled
+"""
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+
+from engine import TurnStats, load_config
+from engine.llm import PresetEngine
+from engine.model import has_cuda, resolve_model
+from engine.pool import engine_args
+
+
+async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
+    async def one(i):
+        stats = None
+        async for item in engine.stream([{"role": "user", "content": f"Tell story {i}."}],
+                                        max_tokens=tokens, ignore_eos=True, temperature=0.8,
+                                        seed=i):
+            if isinstance(item, TurnStats):
+                stats = item
+        return stats
+
+    started = time.monotonic()
+    results = await asyncio.gather(*[one(i) for i in range(n)])
+    wall = time.monotonic() - started
+    out = sum(s.output_tokens for s in results)
+    return {"streams": n, "output_tokens": out, "wall_s": round(wall, 2),
+            "tok_s": round(out / wall, 1)}
+
+
+async def main(args) -> None:
+    config = load_config()
+    overrides = {"enforce_eager": args.eager}
+    preset = config.presets[args.preset]
+    model = resolve_model(config.model)
+    engine = PresetEngine(preset.name, {**engine_args(config, preset, model, has_cuda()),
+                                        **overrides})
+    await engine.start()
+    try:
+        await run_streams(engine, 2, 8)  # warm-up
+        rows = [await run_streams(engine, n, args.tokens) for n in args.streams]
+    finally:
+        engine.shutdown()
+    single = rows[0]["tok_s"]
+    for row in rows:
+        row["speedup_vs_1"] = round(row["tok_s"] / single, 1)
+    print(json.dumps({"preset": args.preset, "eager": args.eager, "model": model,
+                      "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+                      "startup_s": round(engine.started_in_s, 1), "runs": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="throughput-first")
+    parser.add_argument("--eager", action="store_true", help="skip torch.compile")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    asyncio.run(main(parser.parse_args()))

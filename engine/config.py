@@ -1,0 +1,277 @@
+"""`profiles.yaml` -> frozen dataclasses, with every field checked.
+
+Mistakes raise one `ConfigError` naming the file, the field and what is allowed. vLLM option
+names pass through unchanged and are checked against vLLM's own `AsyncEngineArgs`.
+Environment variables (prefix VCHAT_) override a few deployment settings; see ENV_OVERRIDES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import ConfigError
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
+# vLLM options the engine layer sets itself; a preset naming them would be overridden.
+MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
+# Environment variable -> (path in the file, parser).
+ENV_OVERRIDES = {
+    "VCHAT_MODEL": ("model", str),
+    "VCHAT_MAX_MODEL_LEN": ("vllm.max_model_len", int),
+    "VCHAT_ENFORCE_EAGER": ("vllm.enforce_eager", lambda v: v.lower() in ("1", "true", "yes")),
+    "VCHAT_KV_CACHE_GIB": ("memory.cpu_kv_cache_gib", float),
+}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """How much of the device the engines may use in total; presets take shares of it."""
+
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 4.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    memory_share: float
+    vllm: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Starter:
+    label: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    preset: str
+    icon: str = ""
+    system_prompt: str = ""
+    sampling: Sampling = Sampling()
+    starters: tuple[Starter, ...] = ()
+    default: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    model: str
+    vllm: dict
+    memory: Memory
+    presets: dict[str, Preset]
+    profiles: tuple[Profile, ...]
+
+    def profile(self, name: str) -> Profile:
+        for profile in self.profiles:
+            if profile.name == name:
+                return profile
+        raise ConfigError(self.source, "profile", f"no profile named {name!r}")
+
+    def used_presets(self) -> list[Preset]:
+        """Presets that some profile uses: one engine runs for each."""
+        names = dict.fromkeys(p.preset for p in self.profiles)
+        return [self.presets[n] for n in names]
+
+
+def load_config(path: str | Path | None = None, env: dict | None = None) -> Config:
+    """Read and check the profiles file ($VCHAT_PROFILES, else ./profiles.yaml)."""
+    env = os.environ if env is None else env
+    path = Path(path or env.get("VCHAT_PROFILES") or DEFAULT_PATH)
+    source = str(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(source, "(file)", "not found; set VCHAT_PROFILES or create it") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, "(file)", f"not valid YAML: {exc}") from None
+    raw = _check_map(source, "(top level)", raw, required={"presets", "profiles"},
+                     optional={"model", "vllm", "memory"})
+    for var, (dotted, parse) in ENV_OVERRIDES.items():
+        if env.get(var):
+            try:
+                value = parse(env[var])
+            except ValueError:
+                raise ConfigError(f"environment variable {var}", var, f"cannot read {env[var]!r}")
+            _set_dotted(raw, dotted, value)
+    return _build(source, raw)
+
+
+def _build(source: str, raw: dict) -> Config:
+    model = _check_type(source, "model", raw.get("model", "auto"), str)
+    vllm = _check_vllm(source, "vllm", raw.get("vllm") or {})
+    mem_raw = _check_map(source, "memory", raw.get("memory") or {},
+                         optional={f.name for f in dataclasses.fields(Memory)})
+    memory = Memory(**{k: _check_number(source, f"memory.{k}", v, float, lo=0.0, lo_open=True,
+                                        hi=1.0 if k == "gpu_memory_utilization" else None)
+                       for k, v in mem_raw.items()})
+
+    presets = {}
+    presets_raw = _check_type(source, "presets", raw["presets"], dict)
+    if not presets_raw:
+        raise ConfigError(source, "presets", "at least one preset is needed")
+    for name, body in presets_raw.items():
+        where = f"presets.{name}"
+        body = _check_map(source, where, body, required={"memory_share"}, optional={"vllm"})
+        share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
+                              lo=0.0, hi=1.0, lo_open=True)
+        presets[name] = Preset(name, share, _check_vllm(source, f"{where}.vllm",
+                                                        body.get("vllm") or {}))
+
+    profiles = []
+    for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):
+        profiles.append(_build_profile(source, f"profiles[{i}]", body, presets))
+    if not profiles:
+        raise ConfigError(source, "profiles", "at least one profile is needed")
+    names = [p.name for p in profiles]
+    if len(set(names)) != len(names):
+        raise ConfigError(source, "profiles", f"profile names must be unique, got {names}")
+
+    config = Config(source, model, vllm, memory, presets, tuple(profiles))
+    total = sum(p.memory_share for p in config.used_presets())
+    if total > 1.0 + 1e-9:
+        used = ", ".join(f"{p.name}={p.memory_share}" for p in config.used_presets())
+        raise ConfigError(source, "presets.*.memory_share",
+                          f"shares of the presets in use must sum to at most 1.0, got {total:g} "
+                          f"({used})")
+    return config
+
+
+def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
+    body = _check_map(source, where, body, required={"name", "description", "preset"},
+                      optional={"icon", "system_prompt", "sampling", "starters", "default"})
+    for key in ("name", "description", "icon", "system_prompt"):
+        if key in body:
+            _check_type(source, f"{where}.{key}", body[key], str)
+    if not body["name"].strip():
+        raise ConfigError(source, f"{where}.name", "must not be empty")
+    if body["preset"] not in presets:
+        raise ConfigError(source, f"{where}.preset",
+                          f"unknown preset {body['preset']!r}; allowed: {', '.join(presets)}")
+    s_raw = _check_map(source, f"{where}.sampling", body.get("sampling") or {},
+                       optional={"temperature", "top_p", "max_tokens"})
+    limits = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0),
+              "max_tokens": (int, 1, None)}
+    sampling = Sampling(**{
+        k: _check_number(source, f"{where}.sampling.{k}", v, limits[k][0], lo=limits[k][1],
+                         hi=limits[k][2], lo_open=(k == "top_p"))
+        for k, v in s_raw.items()})
+    starters = []
+    for j, st in enumerate(_check_type(source, f"{where}.starters", body.get("starters") or [],
+                                       list)):
+        st = _check_map(source, f"{where}.starters[{j}]", st, required={"label", "message"})
+        starters.append(Starter(_check_type(source, f"{where}.starters[{j}].label",
+                                            st["label"], str),
+                                _check_type(source, f"{where}.starters[{j}].message",
+                                            st["message"], str)))
+    return Profile(name=body["name"], description=body["description"], preset=body["preset"],
+                   icon=body.get("icon", ""), system_prompt=body.get("system_prompt", ""),
+                   sampling=sampling, starters=tuple(starters),
+                   default=_check_type(source, f"{where}.default", body.get("default", False),
+                                       bool))
+
+
+def _check_map(source, where, value, required=frozenset(), optional=frozenset()) -> dict:
+    value = _check_type(source, where, value, dict)
+    allowed = set(required) | set(optional)
+    for key in value:
+        if key not in allowed:
+            raise ConfigError(source, f"{where}.{key}" if where != "(top level)" else str(key),
+                              f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    for key in sorted(required):
+        if key not in value:
+            raise ConfigError(source, f"{where}.{key}" if where != "(top level)" else key,
+                              "missing (required)")
+    return value
+
+
+_TYPE_WORDS = {str: "text", dict: "a mapping", list: "a list", bool: "true or false",
+               int: "a whole number", float: "a number"}
+
+
+def _check_type(source, where, value, kind):
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(source, where, f"must be {_TYPE_WORDS[kind]}, got {value!r}")
+    return value
+
+
+def _check_number(source, where, value, kind, lo=None, hi=None, lo_open=False):
+    value = _check_type(source, where, value, kind)
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and value > hi
+    if too_low or too_high:
+        low = "" if lo is None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+        high = "" if hi is None else f"<= {hi:g}"
+        raise ConfigError(source, where, f"must be {' and '.join(x for x in (low, high) if x)}, "
+                                         f"got {value!r}")
+    return kind(value)
+
+
+def _check_vllm(source: str, where: str, options) -> dict:
+    """Check vLLM engine options by vLLM's own names and types (AsyncEngineArgs)."""
+    from vllm import AsyncEngineArgs
+
+    options = _check_type(source, where, options, dict)
+    known = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+    for key, value in options.items():
+        if key in MANAGED_OPTIONS:
+            raise ConfigError(source, f"{where}.{key}",
+                              "set by the engine layer (use `model:` and `memory_share`)")
+        if key not in known:
+            close = [k for k in known if key.replace("-", "_") in k or k in key][:5]
+            hint = f"; did you mean: {', '.join(close)}" if close else ""
+            raise ConfigError(source, f"{where}.{key}", f"not a vLLM engine option{hint}")
+        problem = _type_problem(known[key].type, value)
+        if problem:
+            raise ConfigError(source, f"{where}.{key}", f"{problem}, got {value!r}")
+    return dict(options)
+
+
+def _type_problem(annotation, value) -> str | None:
+    """Why `value` does not fit a simple vLLM annotation; None if it fits or is too complex."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        simple = [a for a in args if a is not type(None)]
+        return _type_problem(simple[0], value) if len(simple) == 1 else None
+    if typing.get_origin(annotation) is typing.Literal:
+        return None if value in args else f"must be one of {', '.join(map(repr, args))}"
+    if annotation in (int, float, bool, str):
+        ok = isinstance(value, annotation) and not (annotation is not bool
+                                                    and isinstance(value, bool))
+        if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        return None if ok else f"must be {_TYPE_WORDS[annotation]}"
+    return None
+
+
+def _set_dotted(raw: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for key in parents:
+        if node.get(key) is None:
+            node[key] = {}
+        node = node[key]
+    node[leaf] = value
+

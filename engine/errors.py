@@ -1,0 +1,25 @@
+"""The two error types the engine layer raises on purpose.
+
+`ChatError` is "the user or operator did something we can explain": the UI shows its
+message as is, without a stack trace. Anything else is a bug and is allowed to surface.
+"""
+
+
+class ChatError(Exception):
+    """A mistake we can explain in one clear message."""
+
+
+class ConfigError(ChatError):
+    """`profiles.yaml` (or an environment override) holds a value we cannot use."""
+
+    def __init__(self, source: str, field: str, problem: str):
+        self.source, self.field, self.problem = source, field, problem
+        super().__init__(f"{source}: {field}: {problem}")
+
+
+class ModelNotFound(ChatError):
+    """The configured model cannot be found or prepared."""
+
+
+class EngineUnavailable(ChatError):
+    """The engine is not running (still starting, stopped or failed)."""

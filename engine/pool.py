@@ -1,0 +1,101 @@
+"""The engines of one app process: one `PresetEngine` per preset that some profile uses.
+
+Usage (the public surface the UI relies on):
+
+    engines = Engines(load_config())
+    await engines.start()
+    async for item in engines.stream(messages, "Latency-first"):
+        ...  # str deltas, then a TurnStats
+    engines.shutdown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from .chat_format import Message
+from .config import Config, Preset
+from .errors import EngineUnavailable
+from .llm import PresetEngine
+from .model import check_hub_model, has_cuda, resolve_model
+from .stats import TurnStats
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
+    """The full vLLM argument set for one preset's engine, memory share included."""
+    args = {**config.vllm, **preset.vllm, "model": model}
+    if gpu:
+        args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
+    else:
+        args["kv_cache_memory_bytes"] = int(
+            config.memory.cpu_kv_cache_gib * preset.memory_share * GIB)
+    return args
+
+
+class Engines:
+    """Starts, routes to and stops the per-preset engines."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.engines: dict[str, PresetEngine] = {}
+        self.model: str | None = None
+        self.state = "stopped"  # stopped -> starting -> ready | failed
+
+    async def start(self) -> None:
+        """Resolve the model once, then start each preset's engine in turn."""
+        self.state = "starting"
+        try:
+            model = resolve_model(self.config.model)
+            gpu = has_cuda()
+            if "/" in model and not model.startswith("/"):
+                check_hub_model(model)
+            self.model = model
+            for preset in self.config.used_presets():
+                engine = PresetEngine(preset.name, engine_args(self.config, preset, model, gpu))
+                self.engines[preset.name] = engine
+                await engine.start()
+        except BaseException:
+            self.state = "failed"
+            self.shutdown(keep_state=True)
+            raise
+        self.state = "ready"
+
+    def shutdown(self, keep_state: bool = False) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()
+        self.engines.clear()
+        if not keep_state:
+            self.state = "stopped"
+
+    def for_profile(self, profile: str) -> PresetEngine:
+        preset = self.config.profile(profile).preset
+        engine = self.engines.get(preset)
+        if engine is None or not engine.running:
+            raise EngineUnavailable(f"The engine for {profile!r} is {self.state}.")
+        return engine
+
+    async def health(self) -> dict:
+        """Per-preset health, and an overall verdict."""
+        engines = {name: await e.check_health() for name, e in self.engines.items()}
+        ok = self.state == "ready" and bool(engines) and all(engines.values())
+        return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model}
+
+    async def stream(
+        self, messages: Sequence[Message | dict], profile: str, **overrides
+    ) -> AsyncIterator[str | TurnStats]:
+        """Stream one turn on the profile's engine with its system prompt and sampling."""
+        prof = self.config.profile(profile)
+        engine = self.for_profile(profile)
+        sampling = {"temperature": prof.sampling.temperature, "top_p": prof.sampling.top_p,
+                    "max_tokens": prof.sampling.max_tokens, "system_prompt": prof.system_prompt}
+        sampling.update(overrides)
+        # aclosing: when our caller leaves early, the engine's stream is closed (and its
+        # request aborted) now, not whenever the garbage collector gets to it.
+        async with contextlib.aclosing(engine.stream(messages, **sampling)) as items:
+            async for item in items:
+                yield item

@@ -1,0 +1,89 @@
+"""What the engine layer reports: per-turn stats, and the scheduler's own per-step view."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """The last item a turn's stream yields."""
+
+    request_id: str
+    preset: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None  # time to first token; None when no token came
+    elapsed_s: float
+    finish_reason: str  # "stop", "length", "abort", ...
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed after the first token (vLLM's definition, 1 / TPOT)."""
+        if self.ttft_s is None or self.output_tokens < 2 or self.elapsed_s <= self.ttft_s:
+            return 0.0
+        return (self.output_tokens - 1) / (self.elapsed_s - self.ttft_s)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+class StepStats:
+    """Collects vLLM's SchedulerStats for one engine (fed by a vLLM stat logger)."""
+
+    HISTORY = 4096  # samples kept for inspection; counters cover everything
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.samples: collections.deque[StepSample] = collections.deque(maxlen=self.HISTORY)
+        self.steps = 0
+        self.max_running = 0
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.samples.clear()
+            self.steps = self.max_running = self.generation_tokens = self.prompt_tokens = 0
+
+    def add(self, scheduler_stats, iteration_stats) -> None:
+        with self._lock:
+            if scheduler_stats is not None:
+                sample = StepSample(scheduler_stats.num_running_reqs,
+                                    scheduler_stats.num_waiting_reqs,
+                                    scheduler_stats.kv_cache_usage)
+                self.samples.append(sample)
+                self.steps += 1
+                self.max_running = max(self.max_running, sample.running)
+            if iteration_stats is not None:
+                self.generation_tokens += iteration_stats.num_generation_tokens
+                self.prompt_tokens += iteration_stats.num_prompt_tokens
+
+    def latest(self) -> StepSample | None:
+        with self._lock:
+            return self.samples[-1] if self.samples else None
+
+    def logger_factory(self):
+        """A vLLM per-engine stat logger factory that feeds this collector."""
+        sink = self
+
+        class _Recorder(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                self.engine_index = engine_index
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                       engine_idx: int = 0):
+                sink.add(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Recorder

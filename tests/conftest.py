@@ -1,0 +1,30 @@
+"""Shared fixtures: one set of real engines on the real embedded model per test session.
+
+Engines are small and quick to start here: eager mode (no torch.compile), a 1 GiB KV cache
+split between the presets, and a 2,048-token context.
+"""
+
+import os
+
+os.environ.setdefault("VCHAT_ENFORCE_EAGER", "1")
+os.environ.setdefault("VCHAT_KV_CACHE_GIB", "1")
+os.environ.setdefault("VCHAT_MAX_MODEL_LEN", "2048")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from engine import Engines, load_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def config():
+    return load_config()
+
+
+@pytest.fixture(scope="session")
+async def engines(config):
+    """Both presets' engines, started once for the whole session."""
+    pool = Engines(config)
+    await pool.start()
+    yield pool
+    pool.shutdown()

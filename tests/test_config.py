@@ -1,0 +1,109 @@
+"""profiles.yaml validation: every kind of mistake gets one clear message."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+
+
+def write(tmp_path, data, text=None) -> Path:
+    path = tmp_path / "profiles.yaml"
+    path.write_text(text if text is not None else yaml.safe_dump(data))
+    return path
+
+
+def mutated(change):
+    data = yaml.safe_load(yaml.safe_dump(SHIPPED))
+    change(data)
+    return data
+
+
+def test_shipped_file_loads_with_both_presets():
+    config = load_config(ROOT / "profiles.yaml", env={})
+    assert [p.name for p in config.used_presets()] == ["latency-first", "throughput-first"]
+    assert {p.name for p in config.profiles} >= {"Latency-first", "Throughput-first"}
+    assert all(p.description and p.icon and p.starters for p in config.profiles)
+    fast, big = config.presets["latency-first"], config.presets["throughput-first"]
+    assert fast.vllm["max_num_batched_tokens"] < big.vllm["max_num_batched_tokens"]
+    assert fast.vllm["max_num_seqs"] <= big.vllm["max_num_seqs"]
+
+
+CASES = [
+    # (what is wrong, change, field named, words the message must contain)
+    ("unknown top-level key", lambda d: d.update(modle="auto"), "modle", "unknown key"),
+    ("unknown profile key", lambda d: d["profiles"][0].update(colour="red"),
+     "profiles[0].colour", "allowed:"),
+    ("missing required", lambda d: d["profiles"][1].pop("preset"), "profiles[1].preset",
+     "missing"),
+    ("wrong type", lambda d: d["profiles"][0].update(name=5), "profiles[0].name", "text"),
+    ("temperature out of range", lambda d: d["profiles"][0]["sampling"].update(temperature=3),
+     "profiles[0].sampling.temperature", "<= 2"),
+    ("max_tokens zero", lambda d: d["profiles"][0]["sampling"].update(max_tokens=0),
+     "profiles[0].sampling.max_tokens", ">= 1"),
+    ("bool is not a number", lambda d: d["profiles"][0]["sampling"].update(top_p=True),
+     "profiles[0].sampling.top_p", "number"),
+    ("unknown preset", lambda d: d["profiles"][0].update(preset="fastest"),
+     "profiles[0].preset", "allowed: latency-first, throughput-first"),
+    ("unknown vLLM option", lambda d: d["presets"]["latency-first"]["vllm"].update(
+        max_num_seq=8), "presets.latency-first.vllm.max_num_seq", "max_num_seqs"),
+    ("vLLM option of the wrong type", lambda d: d["presets"]["throughput-first"]["vllm"].update(
+        max_num_seqs="many"), "presets.throughput-first.vllm.max_num_seqs", "whole number"),
+    ("vLLM literal option", lambda d: d["vllm"].update(dtype="fp7"), "vllm.dtype",
+     "'bfloat16'"),
+    ("managed option", lambda d: d["presets"]["latency-first"]["vllm"].update(
+        gpu_memory_utilization=0.5), "presets.latency-first.vllm.gpu_memory_utilization",
+     "memory_share"),
+    ("shares over 1", lambda d: d["presets"]["latency-first"].update(memory_share=0.8),
+     "presets.*.memory_share", "at most 1.0"),
+    ("share of zero", lambda d: d["presets"]["latency-first"].update(memory_share=0),
+     "presets.latency-first.memory_share", "> 0"),
+    ("duplicate profile names", lambda d: d["profiles"][1].update(name="Latency-first"),
+     "profiles", "unique"),
+    ("no profiles", lambda d: d.update(profiles=[]), "profiles", "at least one"),
+    ("starter without message", lambda d: d["profiles"][0]["starters"][0].pop("message"),
+     "profiles[0].starters[0].message", "missing"),
+    ("memory out of range", lambda d: d["memory"].update(gpu_memory_utilization=1.5),
+     "memory.gpu_memory_utilization", "<= 1"),
+]
+
+
+@pytest.mark.parametrize("what,change,field,words", CASES, ids=[c[0] for c in CASES])
+def test_each_mistake_names_file_field_and_allowed(tmp_path, what, change, field, words):
+    path = write(tmp_path, mutated(change))
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert err.value.field == field
+    assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, None, text="profiles: [\n"), env={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml", env={})
+
+
+def test_environment_overrides_are_applied_and_checked(tmp_path):
+    path = write(tmp_path, SHIPPED)
+    config = load_config(path, env={"VCHAT_MODEL": "/models/x", "VCHAT_MAX_MODEL_LEN": "1024",
+                                    "VCHAT_ENFORCE_EAGER": "1", "VCHAT_KV_CACHE_GIB": "2"})
+    assert config.model == "/models/x" and config.vllm["max_model_len"] == 1024
+    assert config.vllm["enforce_eager"] is True and config.memory.cpu_kv_cache_gib == 2
+    with pytest.raises(ConfigError, match="VCHAT_MAX_MODEL_LEN"):
+        load_config(path, env={"VCHAT_MAX_MODEL_LEN": "lots"})
+
+
+def test_check_command_prints_a_clean_error_not_a_traceback(tmp_path):
+    path = write(tmp_path, mutated(lambda d: d["profiles"][0].update(preset="nope")))
+    done = subprocess.run([sys.executable, "-m", "engine", "check", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "profiles[0].preset" in done.stderr and "unknown preset 'nope'" in done.stderr
