@@ -7,14 +7,13 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test lock check-config clean
+.PHONY: setup model run test lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
 
 model: setup
-	@$(PY) -m engine check
-	@$(PY) -m engine prepare >/dev/null
+	@$(PY) -m engine prepare
 
 run: model
 	$(VENV)/bin/chainlit run app.py --headless --host $(HOST) --port $(PORT)
@@ -29,6 +28,12 @@ lock: setup
 	$(VENV)/bin/uv pip compile requirements.in --override overrides.txt \
 	  --python $(PY) --find-links $(FIND_LINKS) --custom-compile-command "make lock" \
 	  -o requirements.txt
+
+# The GPU lock: resolved for Linux x86_64 with CUDA wheels from PyPI (no GPU needed here).
+lock-gpu: setup
+	$(VENV)/bin/uv pip compile requirements-gpu.in --override overrides.txt \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  --custom-compile-command "make lock-gpu" -o requirements-gpu.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache

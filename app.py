@@ -10,12 +10,15 @@ import logging
 
 import chainlit as cl
 
-from engine import ChatError, Engines, TurnStats, load_config
+from engine import ChatError, ConfigError, Engines, TurnStats, load_config
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
 
-CONFIG = load_config()
+try:
+    CONFIG = load_config()
+except ConfigError as exc:  # a config mistake is a message, not a stack trace
+    raise SystemExit(f"Configuration error: {exc}") from None
 ENGINES = Engines(CONFIG)
 _startup: asyncio.Task | None = None
 
@@ -44,8 +47,11 @@ async def engines_ready() -> None:
         await note.send()
         await asyncio.shield(_startup)
         await note.remove()
-    if _startup.exception() is not None:
-        raise ChatError(f"The model failed to start: {_startup.exception()}")
+    failure = _startup.exception()
+    if isinstance(failure, ChatError):
+        raise ChatError(f"The model failed to start: {failure}")
+    if failure is not None:
+        raise ChatError("The model failed to start; the server log says why.")
 
 
 @cl.set_chat_profiles

@@ -12,6 +12,7 @@ import asyncio
 import json
 import platform
 import time
+from pathlib import Path
 
 from engine import TurnStats, load_config
 from engine.llm import PresetEngine
@@ -23,8 +24,7 @@ async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
     async def one(i):
         stats = None
         async for item in engine.stream([{"role": "user", "content": f"Tell story {i}."}],
-                                        max_tokens=tokens, ignore_eos=True, temperature=0.8,
-                                        seed=i):
+                                        max_tokens=tokens, ignore_eos=True, temperature=0.8):
             if isinstance(item, TurnStats):
                 stats = item
         return stats
@@ -53,9 +53,13 @@ async def main(args) -> None:
     single = rows[0]["tok_s"]
     for row in rows:
         row["speedup_vs_1"] = round(row["tok_s"] / single, 1)
-    print(json.dumps({"preset": args.preset, "eager": args.eager, "model": model,
+    # vLLM logs to stdout as well: the figures go to a file, and to stdout last.
+    result = json.dumps({"preset": args.preset, "eager": args.eager, "model": model,
                       "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
-                      "startup_s": round(engine.started_in_s, 1), "runs": rows}, indent=2))
+                      "startup_s": round(engine.started_in_s, 1), "runs": rows}, indent=2)
+    if args.out:
+        Path(args.out).write_text(result + "\n")
+    print(result)
 
 
 if __name__ == "__main__":
@@ -64,4 +68,5 @@ if __name__ == "__main__":
     parser.add_argument("--eager", action="store_true", help="skip torch.compile")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--out", help="also write the figures (JSON) to this file")
     asyncio.run(main(parser.parse_args()))

@@ -1,7 +1,8 @@
 """Operator commands for the engine layer.
 
     python -m engine check [FILE]   check profiles.yaml (or FILE), print what will run
-    python -m engine prepare        prepare the embedded default model if not done yet
+    python -m engine prepare [FILE] check the profiles, then prepare the model they select
+                                    (converts the embedded default model once)
 """
 
 import logging
@@ -9,21 +10,21 @@ import sys
 
 from .config import load_config
 from .errors import ChatError
-from .model import prepare_embedded
+from .model import resolve_model
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     command, args = (argv[0], argv[1:]) if argv else ("", [])
     try:
-        if command == "check":
+        if command in ("check", "prepare"):
             config = load_config(args[0] if args else None)
             for preset in config.used_presets():
                 users = ", ".join(p.name for p in config.profiles if p.preset == preset.name)
                 print(f"{config.source}: preset {preset.name} "
                       f"(memory share {preset.memory_share:g}) <- profiles {users}")
-        elif command == "prepare":
-            print(prepare_embedded())
+            if command == "prepare":
+                print(f"model: {resolve_model(config.model)}")
         else:
             print(__doc__.strip(), file=sys.stderr)
             return 2

@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 UV_VERSION=0.13.9
-if [ "${VCHAT_GPU:-0}" = 1 ]; then REQS=requirements-gpu.in; else REQS=requirements.txt; fi
+if [ "${VCHAT_GPU:-0}" = 1 ]; then REQS=requirements-gpu.txt; else REQS=requirements.txt; fi
 
 stamp_of() { cat "$REQS" requirements-model.txt overrides.txt scripts/setup.sh | sha256sum | cut -c1-16; }
 STAMP="$VENV/.vchat-installed-$(stamp_of)"
