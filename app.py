@@ -1,4 +1,5 @@
-"""The Chainlit chat app: hooks only. Engines, presets and models live in `engine/`.
+"""The Chainlit chat app: hooks only. Engines, presets, models and the history policy live
+in `engine/`, a session's state in `chat/session.py`.
 
     chainlit run app.py            (or `make run`, which also sets up and prepares the model)
 """
@@ -9,8 +10,13 @@ import asyncio
 import logging
 
 import chainlit as cl
+from chainlit.input_widget import Slider, Switch, TextInput
+from chainlit.server import app as http
+from starlette.responses import JSONResponse
 
-from engine import ChatError, ConfigError, Engines, TurnStats, load_config
+from chat.session import Conversation
+from chat.view import dropped_notice, stats_line
+from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
@@ -20,7 +26,13 @@ try:
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
 ENGINES = Engines(CONFIG)
+DEFAULT_PROFILE = next((p for p in CONFIG.profiles if p.default), CONFIG.profiles[0])
+STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
+            "already: your message will be answered as soon as it is ready.")
 _startup: asyncio.Task | None = None
+
+
+# -- process lifecycle -----------------------------------------------------------------
 
 
 @cl.on_app_startup
@@ -40,18 +52,34 @@ async def stop_engines() -> None:
 async def engines_ready() -> None:
     """Wait for start-up to finish; tell the user once if they have to wait."""
     if _startup is None:
-        raise ChatError("The engines were not started.")
+        raise ChatError("The model was not started.")
     if not _startup.done():
-        note = cl.Message(content="The model is still starting; your message will be "
-                                  "answered as soon as it is ready.")
-        await note.send()
-        await asyncio.shield(_startup)
-        await note.remove()
-    failure = _startup.exception()
+        note = None
+        if not cl.user_session.get("told_starting"):
+            note = await cl.Message(content=STARTING).send()
+        await asyncio.wait([_startup])
+        if note is not None:
+            await note.remove()
+    failure = None if _startup.cancelled() else _startup.exception()
     if isinstance(failure, ChatError):
         raise ChatError(f"The model failed to start: {failure}")
-    if failure is not None:
+    if failure is not None or _startup.cancelled():
         raise ChatError("The model failed to start; the server log says why.")
+
+
+@http.get("/ready")
+async def ready() -> JSONResponse:
+    """Readiness: 200 once every engine is up, 503 while starting or after a failure."""
+    health = await ENGINES.health()
+    return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
+
+
+# Chainlit registers a catch-all GET route for its UI before app.py is imported; put ours
+# first so it is reachable.
+http.router.routes.sort(key=lambda route: getattr(route, "path", "") != "/ready")
+
+
+# -- chat ------------------------------------------------------------------------------
 
 
 @cl.set_chat_profiles
@@ -59,32 +87,92 @@ async def chat_profiles(current_user=None, language=None):
     return [
         cl.ChatProfile(
             name=p.name, markdown_description=p.description, icon=p.icon or None,
-            default=p.default,
+            default=p is DEFAULT_PROFILE,
             starters=[cl.Starter(label=s.label, message=s.message) for s in p.starters],
         )
         for p in CONFIG.profiles
     ]
 
 
+def conversation() -> Conversation:
+    return cl.user_session.get("conversation")
+
+
 @cl.on_chat_start
 async def chat_start() -> None:
-    cl.user_session.set("history", [])
+    name = cl.user_session.get("chat_profile")
+    profile = next((p for p in CONFIG.profiles if p.name == name), DEFAULT_PROFILE)
+    conv = Conversation.start(profile)
+    cl.user_session.set("conversation", conv)
+    await settings_panel(conv).send()
+    if ENGINES.state == "starting":
+        cl.user_session.set("told_starting", True)
+        await cl.Message(content=STARTING).send()
+
+
+def settings_panel(conv: Conversation) -> cl.ChatSettings:
+    limits, now = conv.profile.limits, conv.settings
+    return cl.ChatSettings([
+        Slider(id="temperature", label="Temperature", initial=now.temperature, min=0,
+               max=limits.temperature, step=0.05,
+               description="Higher is more varied, lower more focused."),
+        Slider(id="max_tokens", label="Max tokens", initial=now.max_tokens, min=16,
+               max=limits.max_tokens, step=16, description="Longest reply, in tokens."),
+        TextInput(id="system_prompt", label="System prompt", initial=now.system_prompt,
+                  multiline=True,
+                  description=f"At most {limits.system_prompt_chars:,} characters."),
+        Switch(id="show_stats", label="Show stats under replies", initial=now.show_stats),
+    ])
+
+
+@cl.on_settings_update
+async def settings_update(values: dict) -> None:
+    conv = conversation()
+    problems = conv.update_settings(values)
+    if problems:
+        await cl.Message(content="\n".join(problems)).send()
+        await settings_panel(conv).send()  # show the values actually in force
 
 
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
-    profile = cl.user_session.get("chat_profile") or CONFIG.profiles[0].name
-    history = cl.user_session.get("history") or []
-    turn = history + [{"role": "user", "content": message.content}]
-    reply = cl.Message(content="")
+    conv = conversation()
+    text = message.content
     try:
         await engines_ready()
-        async for item in ENGINES.stream(turn, profile):
-            if isinstance(item, TurnStats):
-                continue
-            await reply.stream_token(item)
+        fitted = ENGINES.fit(conv.profile.name, conv.history(), Message("user", text),
+                             system_prompt=conv.settings.system_prompt,
+                             max_tokens=conv.settings.max_tokens)
     except ChatError as exc:
         await cl.Message(content=str(exc)).send()
         return
+    if fitted.dropped_turns and not conv.told_about_dropping:
+        conv.told_about_dropping = True
+        await cl.Message(content=dropped_notice(fitted.dropped_turns)).send()
+
+    reply, stats = cl.Message(content=""), None
+    try:
+        async for item in ENGINES.stream(fitted.messages, conv.profile.name,
+                                         **conv.sampling()):
+            if isinstance(item, TurnStats):
+                stats = item
+            else:
+                await reply.stream_token(item)
+    except asyncio.CancelledError:  # the user pressed Stop: keep what was shown
+        conv.record(text, reply.content, stopped=True)
+        reply.metadata = {"stopped": True, "profile": conv.profile.name}
+        reply.content += "\n\n*Stopped.*"
+        await reply.send()
+        raise
+    except ChatError as exc:
+        await cl.Message(content=str(exc)).send()
+        return
+    conv.record(text, reply.content)
+    reply.metadata = {"profile": conv.profile.name, "preset": stats.preset,
+                      "prompt_tokens": stats.prompt_tokens,
+                      "output_tokens": stats.output_tokens, "ttft_s": stats.ttft_s,
+                      "tokens_per_s": stats.tokens_per_s, "finish_reason": stats.finish_reason,
+                      "dropped_turns": fitted.dropped_turns}
+    if conv.settings.show_stats:
+        reply.content += "\n\n" + stats_line(stats, conv.profile.name)
     await reply.send()
-    cl.user_session.set("history", turn + [{"role": "assistant", "content": reply.content}])

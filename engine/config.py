@@ -53,6 +53,15 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What a user may set in the chat settings panel, per profile."""
+
+    temperature: float = 1.5
+    max_tokens: int = 2048
+    system_prompt_chars: int = 4000
+
+
+@dataclass(frozen=True)
 class Starter:
     label: str
     message: str
@@ -66,6 +75,7 @@ class Profile:
     icon: str = ""
     system_prompt: str = ""
     sampling: Sampling = Sampling()
+    limits: Limits = Limits()
     starters: tuple[Starter, ...] = ()
     default: bool = False
 
@@ -156,7 +166,8 @@ def _build(source: str, raw: dict) -> Config:
 
 def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
     body = _check_map(source, where, body, required={"name", "description", "preset"},
-                      optional={"icon", "system_prompt", "sampling", "starters", "default"})
+                      optional={"icon", "system_prompt", "sampling", "limits", "starters",
+                                "default"})
     for key in ("name", "description", "icon", "system_prompt"):
         if key in body:
             _check_type(source, f"{where}.{key}", body[key], str)
@@ -173,6 +184,22 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
         k: _check_number(source, f"{where}.sampling.{k}", v, limits[k][0], lo=limits[k][1],
                          hi=limits[k][2], lo_open=(k == "top_p"))
         for k, v in s_raw.items()})
+    l_raw = _check_map(source, f"{where}.limits", body.get("limits") or {},
+                       optional={"temperature", "max_tokens", "system_prompt_chars"})
+    l_kinds = {"temperature": (float, 0.0, 2.0), "max_tokens": (int, 1, None),
+               "system_prompt_chars": (int, 0, None)}
+    limits_ = Limits(**{k: _check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
+                                         lo=l_kinds[k][1], hi=l_kinds[k][2])
+                        for k, v in l_raw.items()})
+    for key in ("temperature", "max_tokens"):
+        if getattr(sampling, key) > getattr(limits_, key):
+            raise ConfigError(source, f"{where}.sampling.{key}",
+                              f"must be at most limits.{key} ({getattr(limits_, key):g}), "
+                              f"got {getattr(sampling, key):g}")
+    if len(body.get("system_prompt", "")) > limits_.system_prompt_chars:
+        raise ConfigError(source, f"{where}.system_prompt",
+                          f"longer than limits.system_prompt_chars "
+                          f"({limits_.system_prompt_chars})")
     starters = []
     for j, st in enumerate(_check_type(source, f"{where}.starters", body.get("starters") or [],
                                        list)):
@@ -183,7 +210,7 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
                                             st["message"], str)))
     return Profile(name=body["name"], description=body["description"], preset=body["preset"],
                    icon=body.get("icon", ""), system_prompt=body.get("system_prompt", ""),
-                   sampling=sampling, starters=tuple(starters),
+                   sampling=sampling, limits=limits_, starters=tuple(starters),
                    default=_check_type(source, f"{where}.default", body.get("default", False),
                                        bool))
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from .chat_format import Message
 from .config import Config, Preset
 from .errors import EngineUnavailable
+from .history import Fitted, fit_history
 from .llm import PresetEngine
 from .model import check_hub_model, has_cuda, resolve_model
 from .stats import TurnStats
@@ -80,10 +81,26 @@ class Engines:
         return engine
 
     async def health(self) -> dict:
-        """Per-preset health, and an overall verdict."""
-        engines = {name: await e.check_health() for name, e in self.engines.items()}
-        ok = self.state == "ready" and bool(engines) and all(engines.values())
+        """Overall verdict plus, per preset: healthy, requests in flight, peak batch."""
+        engines = {}
+        for name, engine in self.engines.items():
+            healthy = await engine.check_health()
+            engines[name] = {
+                "healthy": healthy,
+                "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
+                "peak_running": engine.step_stats.max_running,
+                "steps": engine.step_stats.steps,
+            }
+        ok = self.state == "ready" and bool(engines) and all(
+            e["healthy"] for e in engines.values())
         return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model}
+
+    def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
+            system_prompt: str, max_tokens: int) -> Fitted:
+        """Fit a conversation to the context of the profile's engine (see history.py)."""
+        engine = self.for_profile(profile)
+        return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
+                           max_model_len=engine.max_model_len, max_tokens=max_tokens)
 
     async def stream(
         self, messages: Sequence[Message | dict], profile: str, **overrides

@@ -1,0 +1,102 @@
+"""One chat session's state, in one place: profile, user settings and history.
+
+No UI code here: app.py keeps one `Conversation` per Chainlit session and calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from engine import Message, Profile
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user may change in the settings panel, within the profile's limits."""
+
+    temperature: float
+    max_tokens: int
+    system_prompt: str
+    show_stats: bool = True
+
+    @classmethod
+    def defaults(cls, profile: Profile) -> "Settings":
+        return cls(profile.sampling.temperature, profile.sampling.max_tokens,
+                   profile.system_prompt)
+
+
+@dataclass
+class Turn:
+    user: str
+    reply: str
+    stopped: bool = False  # the user pressed Stop: `reply` is what was shown until then
+
+
+@dataclass
+class Conversation:
+    profile: Profile
+    settings: Settings
+    turns: list[Turn] = field(default_factory=list)
+    told_about_dropping: bool = False
+
+    @classmethod
+    def start(cls, profile: Profile) -> "Conversation":
+        return cls(profile, Settings.defaults(profile))
+
+    def history(self) -> list[Message]:
+        out = []
+        for turn in self.turns:
+            out += [Message("user", turn.user), Message("assistant", turn.reply)]
+        return out
+
+    def record(self, user: str, reply: str, stopped: bool = False) -> None:
+        self.turns.append(Turn(user, reply, stopped))
+
+    def sampling(self) -> dict:
+        """Overrides for the engine's stream() call."""
+        return {"temperature": self.settings.temperature,
+                "max_tokens": self.settings.max_tokens,
+                "system_prompt": self.settings.system_prompt}
+
+    def update_settings(self, values: dict) -> list[str]:
+        """Apply valid values; return one message per refused value (those stay as they were)."""
+        limits, problems, changes = self.profile.limits, [], {}
+        checks = {
+            "temperature": (float, 0.0, limits.temperature),
+            "max_tokens": (int, 1, limits.max_tokens),
+        }
+        for key, (kind, lo, hi) in checks.items():
+            if key not in values:
+                continue
+            value = _number(values[key], kind)
+            if value is None or not lo <= value <= hi:
+                problems.append(f"{_LABELS[key]} must be between {lo:g} and {hi:g}; "
+                                f"kept {getattr(self.settings, key):g}.")
+            else:
+                changes[key] = value
+        if "system_prompt" in values:
+            prompt = values["system_prompt"]
+            if not isinstance(prompt, str) or len(prompt) > limits.system_prompt_chars:
+                problems.append(f"The system prompt may be at most "
+                                f"{limits.system_prompt_chars:,} characters; kept the old one.")
+            else:
+                changes["system_prompt"] = prompt
+        if "show_stats" in values:
+            changes["show_stats"] = bool(values["show_stats"])
+        self.settings = replace(self.settings, **changes)
+        return problems
+
+
+_LABELS = {"temperature": "Temperature", "max_tokens": "Max tokens"}
+
+
+def _number(value, kind):
+    if isinstance(value, bool):
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        return None
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        return None
+    return number

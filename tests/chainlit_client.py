@@ -1,0 +1,200 @@
+"""A headless Chainlit client over the real Socket.IO protocol, and a server launcher.
+
+What a browser does, minus the rendering: connect with the session auth, emit
+`connection_successful`, then `client_message` per turn, `chat_settings_change` and `stop`.
+Every server event is recorded with its arrival time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import socketio
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_ENV = {"VCHAT_ENFORCE_EAGER": "1", "VCHAT_KV_CACHE_GIB": "1", "VCHAT_MAX_MODEL_LEN": "2048",
+            "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass
+class Event:
+    name: str
+    data: object
+    at: float
+
+
+@dataclass
+class Reply:
+    """What one turn produced: streamed tokens, messages, and the final reply message."""
+
+    events: list[Event]
+    tokens: list[str] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # new_message payloads, in order
+
+    @property
+    def reply(self) -> dict | None:
+        """The assistant message that carries the streamed tokens, if any."""
+        streamed = {e.data["id"] for e in self.events if e.name == "stream_start"}
+        for msg in reversed(self.messages):
+            if msg["id"] in streamed:
+                return msg
+        return None
+
+    @property
+    def shown(self) -> str:
+        return "".join(self.tokens)
+
+    @property
+    def notes(self) -> list[str]:
+        """Messages other than the streamed reply (errors, notices)."""
+        reply = self.reply
+        return [m["output"] for m in self.messages if reply is None or m["id"] != reply["id"]]
+
+
+class ChatClient:
+    def __init__(self, base_url: str, profile: str):
+        self.base_url, self.profile = base_url, profile
+        self.sio = socketio.AsyncClient(reconnection=False)
+        self.events: list[Event] = []
+        self._changed = asyncio.Event()
+        self.sio.on("*", self._record)
+
+    async def _record(self, name, data=None):
+        self.events.append(Event(name, data, time.monotonic()))
+        self._changed.set()
+
+    async def connect(self, wait_chat_start: bool = True) -> None:
+        await self.sio.connect(
+            self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
+            auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
+                  "chatProfile": self.profile, "threadId": ""})
+        await self.sio.emit("connection_successful")
+        if wait_chat_start:  # (a stray task_end comes first on connect; skip it)
+            started = await self.wait_for("task_start", since=0)
+            await self.wait_for("task_end", since=started)
+
+    async def wait_for(self, name: str, since: int, timeout: float = 300.0) -> int:
+        """Index of the first `name` event at or after index `since`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i in range(since, len(self.events)):
+                if self.events[i].name == name:
+                    return i
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {name!r} event within {timeout} s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def send(self, text: str, timeout: float = 300.0) -> Reply:
+        """Send one user message and collect everything until its task ends."""
+        start = len(self.events)
+        await self.emit_message(text)
+        end = await self.wait_for("task_end", since=start, timeout=timeout)
+        return self.collect(start, end + 1)
+
+    async def emit_message(self, text: str) -> None:
+        await self.sio.emit("client_message", {
+            "message": {"id": str(uuid.uuid4()), "threadId": "", "name": "User",
+                        "type": "user_message", "output": text,
+                        "createdAt": datetime.datetime.now(datetime.timezone.utc).isoformat()},
+            "fileReferences": []})
+
+    def collect(self, start: int, end: int) -> Reply:
+        events = self.events[start:end]
+        reply = Reply(events)
+        for e in events:
+            if e.name == "stream_start":  # it carries the first piece of text
+                reply.tokens.append(e.data["output"])
+            elif e.name == "stream_token":
+                reply.tokens.append(e.data["token"])
+            elif e.name == "new_message" and e.data.get("type") == "assistant_message":
+                reply.messages.append(e.data)
+        return reply
+
+    async def settings(self, **values) -> Reply:
+        start = len(self.events)
+        await self.sio.emit("chat_settings_change", values)
+        await asyncio.sleep(0.5)  # no task wraps a settings change: give it time to answer
+        return self.collect(start, len(self.events))
+
+    async def stop(self) -> None:
+        await self.sio.emit("stop")
+
+    async def close(self) -> None:
+        await self.sio.disconnect()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`chainlit run app.py` in its own process group, as a user would start it."""
+
+    def __init__(self, extra_env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
+        self.log_path.parent.mkdir(exist_ok=True)
+        env = {**os.environ, **TEST_ENV, **(extra_env or {})}
+        chainlit = Path(sys.executable).parent / "chainlit"
+        self.proc = subprocess.Popen(
+            [str(chainlit), "run", "app.py", "--headless", "--port", str(self.port)],
+            cwd=ROOT, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    async def wait_http(self, timeout: float = 120.0) -> None:
+        await self._poll("/health", timeout)
+
+    async def wait_ready(self, timeout: float = 400.0) -> dict:
+        return await self._poll("/ready", timeout)
+
+    async def ready_state(self) -> tuple[int, dict]:
+        async with httpx.AsyncClient() as client:
+            r = await client.get(self.url + "/ready", timeout=10)
+            return r.status_code, r.json()
+
+    async def _poll(self, path: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient() as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited; log: {self.log_path}\n" + self.log())
+                try:
+                    r = await client.get(self.url + path, timeout=5)
+                    if r.status_code == 200:
+                        return r.json()
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise TimeoutError(f"{path} not ready in {timeout} s; log: {self.log_path}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
