@@ -30,6 +30,8 @@ GIB = 1 << 30
 def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     """The full vLLM argument set for one preset's engine, memory share included."""
     args = {**config.vllm, **preset.vllm, "model": model}
+    # Compilation pays off on a GPU; on CPU it quadruples start-up for ~11% (BENCHMARKS.md).
+    args.setdefault("enforce_eager", not gpu)
     if gpu:
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
     else:

@@ -107,3 +107,19 @@ def test_check_command_prints_a_clean_error_not_a_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "profiles[0].preset" in done.stderr and "unknown preset 'nope'" in done.stderr
+
+
+def test_engine_args_split_memory_and_pick_eager_mode_per_device():
+    from engine.pool import GIB, engine_args
+
+    config = load_config(ROOT / "profiles.yaml", env={})
+    fast, big = config.presets["latency-first"], config.presets["throughput-first"]
+    cpu = engine_args(config, fast, "/m", gpu=False)
+    assert cpu["model"] == "/m" and cpu["enforce_eager"] is True
+    assert cpu["kv_cache_memory_bytes"] == int(config.memory.cpu_kv_cache_gib * 0.5 * GIB)
+    assert cpu["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
+    gpu = [engine_args(config, p, "/m", gpu=True) for p in (fast, big)]
+    assert all(a["enforce_eager"] is False and "kv_cache_memory_bytes" not in a for a in gpu)
+    assert sum(a["gpu_memory_utilization"] for a in gpu) <= config.memory.gpu_memory_utilization
+    forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
+    assert engine_args(forced, fast, "/m", gpu=False)["enforce_eager"] is False
