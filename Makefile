@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test lock lock-gpu clean
+.PHONY: setup model run test bench lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -20,6 +20,10 @@ run: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Batching and presets on the engine and app paths; writes bench/results/latest.{json,png}.
+bench: model
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 # Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
 # where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import chainlit as cl
 from chainlit.input_widget import Slider, Switch, TextInput
@@ -29,6 +30,8 @@ ENGINES = Engines(CONFIG)
 DEFAULT_PROFILE = next((p for p in CONFIG.profiles if p.default), CONFIG.profiles[0])
 STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
             "already: your message will be answered as soon as it is ready.")
+# Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
+IGNORE_EOS = os.environ.get("VCHAT_BENCH_IGNORE_EOS") == "1"
 _startup: asyncio.Task | None = None
 
 
@@ -153,7 +156,7 @@ async def on_message(message: cl.Message) -> None:
     reply, stats = cl.Message(content=""), None
     try:
         async for item in ENGINES.stream(fitted.messages, conv.profile.name,
-                                         **conv.sampling()):
+                                         ignore_eos=IGNORE_EOS, **conv.sampling()):
             if isinstance(item, TurnStats):
                 stats = item
             else:

@@ -1,0 +1,90 @@
+"""The two measured paths: straight into engine/ (no UI), and through the running app over
+Chainlit's socket protocol with headless clients, exactly as browsers would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bench.metrics import RequestTiming, summarize
+from bench.workloads import Request
+from engine import TurnStats
+from engine.llm import PresetEngine
+
+
+def engine_view(engine: PresetEngine) -> dict:
+    """The scheduler's own view over the last run: requests per step and KV cache use."""
+    samples = list(engine.step_stats.samples)
+    if not samples:
+        return {}
+    running = [s.running for s in samples]
+    return {"steps": engine.step_stats.steps, "running_mean": round(sum(running) / len(running), 2),
+            "running_max": max(running), "waiting_max": max(s.waiting for s in samples),
+            "kv_cache_usage_max": round(max(s.kv_cache_usage for s in samples), 4)}
+
+
+async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
+                     progress=None) -> dict:
+    """`concurrency` users at once, each taking the next request when its turn ends."""
+    queue = list(reversed(requests))
+    timings: list[RequestTiming] = []
+
+    async def user():
+        while queue:
+            req = queue.pop()
+            t = RequestTiming(sent=time.monotonic())
+            timings.append(t)
+            async for item in engine.stream([{"role": "user", "content": req.prompt}],
+                                            max_tokens=req.output_len, ignore_eos=True,
+                                            temperature=0.8):
+                if isinstance(item, TurnStats):
+                    t.output_tokens = item.output_tokens
+                else:
+                    t.chunks.append(time.monotonic())
+            if progress:
+                progress.update(1)
+
+    engine.step_stats.reset()
+    started = time.monotonic()
+    await asyncio.gather(*[user() for _ in range(concurrency)])
+    result = summarize(timings, time.monotonic() - started)
+    result["engine"] = engine_view(engine)
+    return result
+
+
+async def run_app(url: str, profile: str, requests: list[Request], concurrency: int,
+                  progress=None) -> dict:
+    """The same, through the app: one socket session per user."""
+    from tests.chainlit_client import ChatClient
+
+    queue = list(reversed(requests))
+    timings: list[RequestTiming] = []
+    clients = [ChatClient(url, profile) for _ in range(concurrency)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    output_len = requests[0].output_len
+    await asyncio.gather(*[c.settings(max_tokens=output_len, show_stats=False)
+                           for c in clients])
+
+    async def user(client: ChatClient):
+        while queue:
+            req = queue.pop()
+            start = len(client.events)
+            t = RequestTiming(sent=time.monotonic())
+            timings.append(t)
+            await client.emit_message(req.prompt)
+            end = await client.wait_for("task_end", since=start, timeout=600)
+            for e in client.events[start:end]:
+                if e.name in ("stream_start", "stream_token"):
+                    t.chunks.append(e.at)
+            reply = client.collect(start, end + 1).reply
+            t.ok = reply is not None and "output_tokens" in reply.get("metadata", {})
+            t.output_tokens = reply["metadata"].get("output_tokens", 0) if t.ok else 0
+            if progress:
+                progress.update(1)
+
+    started = time.monotonic()
+    await asyncio.gather(*[user(c) for c in clients])
+    wall = time.monotonic() - started
+    await asyncio.gather(*[c.close() for c in clients])
+    return summarize(timings, wall)

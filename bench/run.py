@@ -1,0 +1,183 @@
+"""`make bench`: batching and presets, measured on the engine path and the app path.
+
+For each preset, alone on the machine (its engine only, so presets never share cores):
+  1. engine path: chat and mixed workloads at each concurrency level, straight into engine/;
+     for the first preset also the baseline (the same 32 requests one at a time);
+  2. app path: `chainlit run app.py` serving only that preset's profile, the same
+     workloads through headless Socket.IO clients.
+Writes bench/results/latest.json and latest.png, and prints a table.
+
+    .venv/bin/python -m bench.run                       # what `make bench` runs
+    .venv/bin/python -m bench.run --levels 1 4 --quick  # a fast smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from bench import paths
+from bench.workloads import WORKLOADS
+from engine import load_config
+from engine.llm import PresetEngine
+from engine.model import has_cuda, resolve_model
+from engine.pool import engine_args
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def single_preset_profiles(source: Path, preset: str) -> Path:
+    """A profiles file holding only `preset` (whole memory) and the profiles that use it."""
+    raw = yaml.safe_load(source.read_text())
+    raw["presets"] = {preset: {**raw["presets"][preset], "memory_share": 1.0}}
+    raw["profiles"] = [p for p in raw["profiles"] if p["preset"] == preset]
+    out = Path(tempfile.mkdtemp()) / "profiles.yaml"
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> dict:
+    preset = config.presets[preset_name]
+    model = resolve_model(config.model)
+    engine = PresetEngine(preset_name, engine_args(config, preset, model, has_cuda()))
+    await engine.start()
+    result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
+    try:
+        await paths.run_engine(engine, WORKLOADS["chat"](4, 8, seed=99), 4)  # warm-up
+        for workload in args.workloads:
+            for level in args.levels:
+                reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
+                                           seed=level)
+                bar.set_description(f"{preset_name} engine {workload} x{level}")
+                result["engine"][f"{workload}@{level}"] = await paths.run_engine(
+                    engine, reqs, level, bar)
+        if baseline:
+            n = max(args.levels)
+            reqs = WORKLOADS["chat"](max(n, args.min_requests), args.output_len, seed=n)
+            bar.set_description(f"{preset_name} engine baseline (one at a time)")
+            result["engine"]["baseline"] = await paths.run_engine(engine, reqs, 1, bar)
+    finally:
+        engine.shutdown()
+
+    from tests.chainlit_client import Server
+
+    profiles = single_preset_profiles(Path(config.source), preset_name)
+    profile = next(p.name for p in config.profiles if p.preset == preset_name)
+    server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
+                     "VCHAT_KV_CACHE_GIB": str(config.memory.cpu_kv_cache_gib * preset.memory_share),
+                     "VCHAT_ENFORCE_EAGER": "1" if engine.engine_args["enforce_eager"] else "0"})
+    try:
+        bar.set_description(f"{preset_name} app starting")
+        await server.wait_ready()
+        for workload in args.workloads:
+            for level in args.levels:
+                reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
+                                           seed=level)
+                bar.set_description(f"{preset_name} app {workload} x{level}")
+                result["app"][f"{workload}@{level}"] = await paths.run_app(
+                    server.url, profile, reqs, level, bar)
+    finally:
+        server.stop()
+    return result
+
+
+def headline(runs: dict, top: int) -> dict:
+    """The figures the issue names, from the raw runs."""
+    first = next(iter(runs))
+    eng = runs[first]["engine"]
+    out = {}
+    if "baseline" in eng and f"chat@{top}" in eng:
+        out[f"batching_speedup_{top}"] = round(eng[f"chat@{top}"]["tok_s"] / eng["baseline"]["tok_s"], 2)
+    app = runs[first]["app"].get(f"chat@{top}")
+    if app and f"chat@{top}" in eng:
+        out[f"app_over_engine_{top}"] = round(app["tok_s"] / eng[f"chat@{top}"]["tok_s"], 3)
+    out["presets"] = {}
+    for name, r in runs.items():
+        m = r["engine"].get(f"mixed@{top}")
+        if m:
+            out["presets"][name] = {"tok_s": m["tok_s"], "ttft_p50_ms": m["ttft_ms"]["p50"],
+                                    "ttft_p95_ms": m["ttft_ms"]["p95"],
+                                    "itl_p50_ms": m["itl_ms"]["p50"],
+                                    "itl_p95_ms": m["itl_ms"]["p95"]}
+    return out
+
+
+def plot(runs: dict, levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for preset, r in runs.items():
+        for route, style in (("engine", "-o"), ("app", "--s")):
+            for workload in ("chat", "mixed"):
+                pts = [(lv, r[route].get(f"{workload}@{lv}")) for lv in levels]
+                pts = [(lv, x) for lv, x in pts if x]
+                if not pts:
+                    continue
+                label = f"{preset} {route} {workload}"
+                ax1.plot([p[0] for p in pts], [p[1]["tok_s"] for p in pts], style, label=label)
+                ax2.plot([p[0] for p in pts], [p[1]["itl_ms"]["p95"] for p in pts], style,
+                         label=label)
+    for ax, ylabel, title in ((ax1, "output tokens/s", "Throughput"),
+                              (ax2, "ITL p95 (ms)", "Inter-token latency p95")):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrent users", ylabel=ylabel, title=title)
+        ax.set_xticks(levels, [str(lv) for lv in levels])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def main(args) -> None:
+    config = load_config()
+    presets = args.presets or [p.name for p in config.used_presets()]
+    per_preset = len(args.workloads) * len(args.levels)
+    total = sum(max(lv, args.min_requests) for lv in args.levels) * len(args.workloads) * 2 * len(presets)
+    total += max(max(args.levels), args.min_requests)
+    started = time.monotonic()
+    runs = {}
+    with tqdm(total=total, unit="req") as bar:
+        for i, name in enumerate(presets):
+            runs[name] = await bench_preset(args, config, name, baseline=(i == 0), bar=bar)
+    top = max(args.levels)
+    result = {
+        **headline(runs, top),
+        "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
+                    "gpu": has_cuda(), "python": platform.python_version()},
+        "model": resolve_model(config.model),
+        "command": "make bench",
+        "settings": {"levels": args.levels, "workloads": args.workloads,
+                     "output_len": args.output_len, "min_requests": args.min_requests,
+                     "runs_per_preset": per_preset},
+        "duration_s": round(time.monotonic() - started, 1),
+        "runs": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(runs, args.levels, RESULTS / "latest.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="*")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
+                        choices=sorted(WORKLOADS))
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-requests", type=int, default=8,
+                        help="requests per run at least (low levels would be too noisy)")
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,46 @@
+"""Seeded, reproducible benchmark workloads.
+
+- chat: short prompts, every reply exactly `output_len` tokens (ignore_eos).
+- mixed: the same chat turns, and every `long_every`-th request instead carries a long
+  prompt (about `long_prompt_words` words), so long prefills arrive while others decode:
+  where the presets' token budgets differ.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TOPICS = ["the sea", "a lighthouse", "bread", "trains", "the moon", "gardening", "chess",
+          "volcanoes", "owls", "the printing press", "rain", "bicycles", "glaciers", "tea"]
+FILLER = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+          "omicron pi rho sigma tau upsilon phi chi psi omega").split()
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    output_len: int
+    long: bool = False
+
+
+def chat(n: int, output_len: int = 64, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(f"Tell me something about {rng.choice(TOPICS)} ({i}).", output_len)
+            for i in range(n)]
+
+
+def mixed(n: int, output_len: int = 64, seed: int = 0, long_every: int = 4,
+          long_prompt_words: int = 1200) -> list[Request]:
+    rng = random.Random(seed)
+    out = []
+    for i, req in enumerate(chat(n, output_len, seed)):
+        if i % long_every == long_every - 1:
+            words = " ".join(rng.choice(FILLER) for _ in range(long_prompt_words))
+            out.append(Request(f"Summarise this text: {words}", output_len, long=True))
+        else:
+            out.append(req)
+    return out
+
+
+WORKLOADS = {"chat": chat, "mixed": mixed}
