@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -158,7 +159,7 @@ async def main(args) -> None:
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
                     "gpu": has_cuda(), "python": platform.python_version()},
         "model": resolve_model(config.model),
-        "command": "make bench",
+        "command": "python -m bench.run " + " ".join(sys.argv[1:]),
         "settings": {"levels": args.levels, "workloads": args.workloads,
                      "output_len": args.output_len, "min_requests": args.min_requests,
                      "runs_per_preset": per_preset},

@@ -77,6 +77,7 @@ class ChatClient:
     async def connect(self, wait_chat_start: bool = True) -> None:
         await self.sio.connect(
             self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
+            wait_timeout=30,  # the default 1 s is too short for many sessions at once
             auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
                   "chatProfile": self.profile, "threadId": ""})
         await self.sio.emit("connection_successful")
