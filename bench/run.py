@@ -68,6 +68,8 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
             result["engine"]["baseline"] = await paths.run_engine(engine, reqs, 1, bar)
     finally:
         engine.shutdown()
+    if "app" not in args.paths:
+        return result
 
     from tests.chainlit_client import Server
 
@@ -146,7 +148,8 @@ async def main(args) -> None:
     config = load_config()
     presets = args.presets or [p.name for p in config.used_presets()]
     per_preset = len(args.workloads) * len(args.levels)
-    total = sum(max(lv, args.min_requests) for lv in args.levels) * len(args.workloads) * 2 * len(presets)
+    total = sum(max(lv, args.min_requests) for lv in args.levels) * len(args.workloads) * len(
+        args.paths) * len(presets)
     total += max(max(args.levels), args.min_requests)
     started = time.monotonic()
     runs = {}
@@ -175,6 +178,8 @@ async def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="*")
+    parser.add_argument("--paths", nargs="+", default=["engine", "app"],
+                        choices=["engine", "app"])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
                         choices=sorted(WORKLOADS))
