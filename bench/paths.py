@@ -13,6 +13,13 @@ from engine import TurnStats
 from engine.llm import PresetEngine
 
 
+async def _arrive(req: Request, run_started: float) -> None:
+    """Hold a delayed request until its arrival time (counted from the run's start)."""
+    wait = run_started + req.delay_s - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(wait)
+
+
 def engine_view(engine: PresetEngine) -> dict:
     """The scheduler's own view over the last run: requests per step and KV cache use."""
     samples = list(engine.step_stats.samples)
@@ -33,6 +40,7 @@ async def run_engine(engine: PresetEngine, requests: list[Request], concurrency:
     async def user():
         while queue:
             req = queue.pop()
+            await _arrive(req, started)
             t = RequestTiming(sent=time.monotonic())
             timings.append(t)
             async for item in engine.stream([{"role": "user", "content": req.prompt}],
@@ -69,6 +77,7 @@ async def run_app(url: str, profile: str, requests: list[Request], concurrency: 
     async def user(client: ChatClient):
         while queue:
             req = queue.pop()
+            await _arrive(req, started)
             start = len(client.events)
             t = RequestTiming(sent=time.monotonic())
             timings.append(t)

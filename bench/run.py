@@ -170,8 +170,8 @@ async def main(args) -> None:
         "runs": runs,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(runs, args.levels, RESULTS / "latest.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(runs, args.levels, RESULTS / f"{args.name}.png")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 
 
@@ -184,6 +184,8 @@ if __name__ == "__main__":
     parser.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
                         choices=sorted(WORKLOADS))
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--name", default="latest",
+                        help="results file name in bench/results (without extension)")
     parser.add_argument("--min-requests", type=int, default=8,
                         help="requests per run at least (low levels would be too noisy)")
     asyncio.run(main(parser.parse_args()))

@@ -2,8 +2,8 @@
 
 - chat: short prompts, every reply exactly `output_len` tokens (ignore_eos).
 - mixed: the same chat turns, and every `long_every`-th request instead carries a long
-  prompt (about `long_prompt_words` words), so long prefills arrive while others decode:
-  where the presets' token budgets differ.
+  prompt (about `long_prompt_words` words) sent after a seeded delay of 0.5-3 s, so long
+  prefills arrive while the others decode: where the presets' token budgets differ.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Request:
     prompt: str
     output_len: int
     long: bool = False
+    delay_s: float = 0.0  # wait this long after the run starts before sending
 
 
 def chat(n: int, output_len: int = 64, seed: int = 0) -> list[Request]:
@@ -37,7 +38,8 @@ def mixed(n: int, output_len: int = 64, seed: int = 0, long_every: int = 4,
     for i, req in enumerate(chat(n, output_len, seed)):
         if i % long_every == long_every - 1:
             words = " ".join(rng.choice(FILLER) for _ in range(long_prompt_words))
-            out.append(Request(f"Summarise this text: {words}", output_len, long=True))
+            out.append(Request(f"Summarise this text: {words}", output_len, long=True,
+                               delay_s=round(rng.uniform(0.5, 3.0), 2)))
         else:
             out.append(req)
     return out

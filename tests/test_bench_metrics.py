@@ -23,5 +23,6 @@ def test_workloads_are_seeded_and_mixed_has_long_prompts():
     assert chat(8, seed=3) == chat(8, seed=3) != chat(8, seed=4)
     reqs = mixed(8, output_len=16, seed=1, long_every=4)
     assert [r.long for r in reqs] == [False, False, False, True] * 2
+    assert all((0.5 <= r.delay_s <= 3.0) == r.long for r in reqs)
     assert all(r.output_len == 16 for r in reqs)
     assert len(reqs[3].prompt) > 10 * len(reqs[0].prompt)
