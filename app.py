@@ -156,7 +156,8 @@ async def on_message(message: cl.Message) -> None:
     reply, stats = cl.Message(content=""), None
     try:
         async for item in ENGINES.stream(fitted.messages, conv.profile.name,
-                                         ignore_eos=IGNORE_EOS, **conv.sampling()):
+                                         prompt_ids=fitted.prompt_ids, ignore_eos=IGNORE_EOS,
+                                         **conv.sampling()):
             if isinstance(item, TurnStats):
                 stats = item
             else:

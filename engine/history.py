@@ -24,7 +24,11 @@ class MessageTooLong(ChatError):
 class Fitted:
     messages: list[Message]  # what to send: kept history + the new message
     dropped_turns: int  # whole turns left out, oldest first
-    prompt_tokens: int
+    prompt_ids: list[int]  # `messages` formatted for the engine (pass on; don't redo it)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 def fit_history(
@@ -38,7 +42,16 @@ def fit_history(
 ) -> Fitted:
     """Keep the newest turns that fit `max_model_len - max_tokens` with the new message."""
     budget = max_model_len - max_tokens
-    alone = formatter.count([new_message], system_prompt)
+    starts = turn_starts(history)
+    formatted: dict[int, list[int]] = {}  # turns dropped -> prompt ids; each formatted once
+
+    def ids(drop: int) -> list[int]:
+        if drop not in formatted:
+            formatted[drop] = formatter.prompt_ids(_kept(history, starts, drop) + [new_message],
+                                                   system_prompt)
+        return formatted[drop]
+
+    alone = len(ids(len(starts)))  # every turn dropped: the new message alone
     if alone > budget:
         raise MessageTooLong(
             f"Your message is {alone:,} tokens long (with the system prompt), but this chat "
@@ -46,18 +59,15 @@ def fit_history(
             f"{max_tokens:,} kept for the reply). Please shorten it, or lower "
             "'Max tokens' in the settings. Nothing was sent and your chat is unchanged."
         )
-    starts = turn_starts(history)
     # Binary search for the fewest dropped turns that fit: counting is exact but costly.
     lo, hi = 0, len(starts)  # dropping `hi` turns (everything) is known to fit
     while lo < hi:
         mid = (lo + hi) // 2
-        if _count(formatter, history, starts, mid, new_message, system_prompt) <= budget:
+        if len(ids(mid)) <= budget:
             hi = mid
         else:
             lo = mid + 1
-    kept = list(history[starts[lo]:]) if lo < len(starts) else []
-    messages = kept + [new_message]
-    return Fitted(messages, lo, formatter.count(messages, system_prompt))
+    return Fitted(_kept(history, starts, lo) + [new_message], lo, ids(lo))
 
 
 def turn_starts(history: Sequence[Message]) -> list[int]:
@@ -66,6 +76,6 @@ def turn_starts(history: Sequence[Message]) -> list[int]:
         [0] if history else [])
 
 
-def _count(formatter, history, starts, drop, new_message, system_prompt) -> int:
-    kept = list(history[starts[drop]:]) if drop < len(starts) else []
-    return formatter.count(kept + [new_message], system_prompt)
+def _kept(history: Sequence[Message], starts: list[int], drop: int) -> list[Message]:
+    """The history without its `drop` oldest turns."""
+    return list(history[starts[drop]:]) if drop < len(starts) else []

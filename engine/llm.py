@@ -138,13 +138,19 @@ class PresetEngine:
         max_tokens: int = 512,
         ignore_eos: bool = False,
         seed: int | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[str | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
+        """Yield text deltas, then one TurnStats. Leaving early aborts the request.
+
+        `prompt_ids`: `messages` already formatted with `system_prompt` (as fit_history
+        returns them), so a turn's history is not tokenized twice.
+        """
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._require()
-        prompt_ids = self._formatter.prompt_ids(messages, system_prompt)
+        if prompt_ids is None:
+            prompt_ids = self._formatter.prompt_ids(messages, system_prompt)
         if len(prompt_ids) + 1 > self.max_model_len:
             raise ChatError(f"The conversation is {len(prompt_ids)} tokens long; this model "
                             f"takes at most {self.max_model_len} tokens in all.")
