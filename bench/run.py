@@ -46,6 +46,18 @@ def single_preset_profiles(source: Path, preset: str) -> Path:
     return out
 
 
+async def sweep(args, label: str, bar, run) -> dict:
+    """Every workload at every concurrency level through `run(requests, level)`."""
+    results = {}
+    for workload in args.workloads:
+        for level in args.levels:
+            reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
+                                       seed=level)
+            bar.set_description(f"{label} {workload} x{level}")
+            results[f"{workload}@{level}"] = await run(reqs, level)
+    return results
+
+
 async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> dict:
     preset = config.presets[preset_name]
     model = resolve_model(config.model)
@@ -54,13 +66,9 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
     result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
     try:
         await paths.run_engine(engine, WORKLOADS["chat"](4, 8, seed=99), 4)  # warm-up
-        for workload in args.workloads:
-            for level in args.levels:
-                reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
-                                           seed=level)
-                bar.set_description(f"{preset_name} engine {workload} x{level}")
-                result["engine"][f"{workload}@{level}"] = await paths.run_engine(
-                    engine, reqs, level, bar)
+        result["engine"] = await sweep(
+            args, f"{preset_name} engine", bar,
+            lambda reqs, level: paths.run_engine(engine, reqs, level, bar))
         if baseline:
             n = max(args.levels)
             reqs = WORKLOADS["chat"](max(n, args.min_requests), args.output_len, seed=n)
@@ -81,13 +89,9 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
     try:
         bar.set_description(f"{preset_name} app starting")
         await server.wait_ready()
-        for workload in args.workloads:
-            for level in args.levels:
-                reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
-                                           seed=level)
-                bar.set_description(f"{preset_name} app {workload} x{level}")
-                result["app"][f"{workload}@{level}"] = await paths.run_app(
-                    server.url, profile, reqs, level, bar)
+        result["app"] = await sweep(
+            args, f"{preset_name} app", bar,
+            lambda reqs, level: paths.run_app(server.url, profile, reqs, level, bar))
     finally:
         server.stop()
     return result
