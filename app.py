@@ -11,6 +11,7 @@ import logging
 import os
 
 import chainlit as cl
+from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
 from starlette.responses import JSONResponse
@@ -85,16 +86,32 @@ http.router.routes.sort(key=lambda route: getattr(route, "path", "") != "/ready"
 # -- chat ------------------------------------------------------------------------------
 
 
-@cl.set_chat_profiles
-async def chat_profiles(current_user=None, language=None):
-    return [
+def chat_profiles(current_user=None, language=None) -> asyncio.Future:
+    """The profile list, handed to Chainlit as an already finished future.
+
+    Chainlit works out each new socket session's config with
+    `loop.run_until_complete(set_chat_profiles(...))` under nest_asyncio
+    (`WebsocketSession.get_config`). Given a coroutine, that runs the whole event loop nested
+    inside the connect handler, other sessions' connects included, and those nest in turn:
+    a few dozen browsers connecting at once pass Python's recursion limit and their
+    connections fail (RecursionError in engineio's JSON decoding). A finished future makes
+    `run_until_complete` return without running the loop, and `await` on it works as usual.
+    Test: test_app.py::test_many_sessions_connect_at_once.
+    """
+    done = asyncio.get_running_loop().create_future()
+    done.set_result([
         cl.ChatProfile(
             name=p.name, markdown_description=p.description, icon=p.icon or None,
             default=p is DEFAULT_PROFILE,
             starters=[cl.Starter(label=s.label, message=s.message) for s in p.starters],
         )
         for p in CONFIG.profiles
-    ]
+    ])
+    return done
+
+
+# Not through @cl.set_chat_profiles: that would wrap the function in a coroutine again.
+chainlit_config.code.set_chat_profiles = chat_profiles
 
 
 def conversation() -> Conversation:

@@ -198,3 +198,22 @@ async def test_invalid_settings_are_refused_with_a_message(server, config):
     assert reply.reply["metadata"]["output_tokens"] <= 4
     assert "tokens/s" not in reply.reply["output"]
     await c.close()
+
+
+async def test_many_sessions_connect_at_once(server):
+    """96 browsers opening the app in the same second all get a working session.
+
+    Regression: Chainlit nested the event loop once per connecting session (see
+    `chat_profiles` in app.py), and a few dozen connects at once ended in RecursionError and
+    refused connections.
+    """
+    clients = [ChatClient(server.url, ("Latency-first", "Throughput-first")[i % 2])
+               for i in range(96)]
+    results = await asyncio.gather(*[c.connect() for c in clients], return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of 96 failed to connect, first: {failed[0]!r}"
+    assert "RecursionError" not in server.log_path.read_text(errors="replace")
+    # Every one of them can chat.
+    replies = await asyncio.gather(*[c.send("Hi!") for c in clients[:8]])
+    assert all(r.reply["metadata"]["output_tokens"] > 0 for r in replies)
+    await asyncio.gather(*[c.close() for c in clients])
