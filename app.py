@@ -17,6 +17,7 @@ from chainlit.server import app as http
 from starlette.responses import JSONResponse
 
 from chat.session import Conversation
+from chat.streaming import Coalescer
 from chat.view import dropped_notice, stats_line
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 
@@ -25,14 +26,18 @@ log = logging.getLogger("app")
 
 try:
     CONFIG = load_config()
+    ENGINES = Engines(CONFIG)
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
-ENGINES = Engines(CONFIG)
 DEFAULT_PROFILE = next((p for p in CONFIG.profiles if p.default), CONFIG.profiles[0])
 STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
             "already: your message will be answered as soon as it is ready.")
+STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
+            "filler text produced at a set speed to measure the chat layer.")
 # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
 IGNORE_EOS = os.environ.get("VCHAT_BENCH_IGNORE_EOS") == "1"
+# Streamed text goes out at most this often per reply (chat/streaming.py).
+STREAM_INTERVAL_S = int(os.environ.get("VCHAT_STREAM_INTERVAL_MS", "40")) / 1000
 _startup: asyncio.Task | None = None
 
 
@@ -125,6 +130,8 @@ async def chat_start() -> None:
     conv = Conversation.start(profile)
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
+    if ENGINES.stand_in:
+        await cl.Message(content=STAND_IN).send()
     if ENGINES.state == "starting":
         cl.user_session.set("told_starting", True)
         await cl.Message(content=STARTING).send()
@@ -171,6 +178,7 @@ async def on_message(message: cl.Message) -> None:
         await cl.Message(content=dropped_notice(fitted.dropped_turns)).send()
 
     reply, stats = cl.Message(content=""), None
+    out = Coalescer(reply.stream_token, STREAM_INTERVAL_S)
     try:
         async for item in ENGINES.stream(fitted.messages, conv.profile.name,
                                          prompt_ids=fitted.prompt_ids, ignore_eos=IGNORE_EOS,
@@ -178,14 +186,17 @@ async def on_message(message: cl.Message) -> None:
             if isinstance(item, TurnStats):
                 stats = item
             else:
-                await reply.stream_token(item)
+                await out.add(item)
+        await out.close()
     except asyncio.CancelledError:  # the user pressed Stop: keep what was shown
+        out.discard()
         conv.record(text, reply.content, stopped=True)
         reply.metadata = {"stopped": True, "profile": conv.profile.name}
         reply.content += "\n\n*Stopped.*"
         await reply.send()
         raise
     except ChatError as exc:
+        out.discard()
         await cl.Message(content=str(exc)).send()
         return
     conv.record(text, reply.content)

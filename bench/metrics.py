@@ -55,6 +55,7 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
         "requests": len(timings),
         "completed": len(done),
         "output_tokens": out_tokens,
+        "chunks": sum(len(t.chunks) for t in done),  # text events the user received
         "wall_s": round(wall_s, 3),
         "tok_s": round(out_tokens / wall_s, 2) if wall_s > 0 else None,
         "req_s": round(len(done) / wall_s, 3) if wall_s > 0 else None,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 import types
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from .chat_format import ChatFormatter, Message
 from .errors import ChatError, ConfigError, EngineUnavailable
@@ -40,6 +41,22 @@ def neutral_main():
         yield
     finally:
         sys.modules["__main__"] = real
+
+
+SMALL_CPU_CORES = 4
+
+
+def cpu_thread_env(env: Mapping[str, str], cores: int) -> dict[str, str]:
+    """Environment for vLLM's CPU workers: on small machines, every core for the model.
+
+    vLLM reserves one core per worker for its scheduler process; on 2 cores that halves
+    the model's share (measured: 1.7x the tokens/s at 32 users with both cores). An
+    operator's own VLLM_CPU_* setting always wins.
+    """
+    if cores > SMALL_CPU_CORES or any(
+            k in env for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")):
+        return {}
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 class PresetEngine:
@@ -77,6 +94,8 @@ class PresetEngine:
         except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
             raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
                               f"vLLM refused these options: {_first_line(exc)}") from exc
+        if vllm_config.device_config.device_type == "cpu":  # read by the processes vLLM spawns
+            os.environ.update(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))
         with neutral_main():
             return AsyncLLM.from_vllm_config(
                 vllm_config, stat_loggers=[self.step_stats.logger_factory()]

@@ -12,15 +12,18 @@ Usage (the public surface the UI relies on):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+import os
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from .chat_format import Message
 from .config import Config, Preset
-from .errors import EngineUnavailable
+from .errors import ConfigError, EngineUnavailable
 from .history import Fitted, fit_history
 from .llm import PresetEngine
 from .model import check_hub_model, has_cuda, resolve_model
+from .standin import StandInEngine
 from .stats import TurnStats
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     args = {**config.vllm, **preset.vllm, "model": model}
     # Compilation pays off on a GPU; on CPU it quadruples start-up for ~11% (BENCHMARKS.md).
     args.setdefault("enforce_eager", not gpu)
+    # On CPUs without AMX, vLLM's float32 path beats bfloat16 at load (BENCHMARKS.md).
+    args.setdefault("dtype", "auto" if gpu else "float32")
     if gpu:
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
     else:
@@ -40,11 +45,32 @@ def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     return args
 
 
+def engine_kind(env: Mapping[str, str] = os.environ) -> Callable[[str, dict], PresetEngine]:
+    """What runs each preset: vLLM (always, in the product) or, for benchmarks of the app
+    layer only, the stand-in (`VCHAT_ENGINE=stand-in`, `VCHAT_STANDIN_TOKENS_PER_S`)."""
+    kind = env.get("VCHAT_ENGINE", "vllm")
+    if kind == "vllm":
+        return PresetEngine
+    if kind == "stand-in":
+        rate = env.get("VCHAT_STANDIN_TOKENS_PER_S", "1000")
+        try:
+            tokens_per_s = float(rate)
+        except ValueError:
+            tokens_per_s = 0
+        if tokens_per_s <= 0:
+            raise ConfigError("environment", "VCHAT_STANDIN_TOKENS_PER_S",
+                              f"must be a positive number of tokens per second, not {rate!r}")
+        return functools.partial(StandInEngine, tokens_per_s=tokens_per_s)
+    raise ConfigError("environment", "VCHAT_ENGINE", f"must be vllm or stand-in, not {kind!r}")
+
+
 class Engines:
     """Starts, routes to and stops the per-preset engines."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, engine_class: Callable[[str, dict], PresetEngine] | None = None):
         self.config = config
+        self.engine_class = engine_class or engine_kind()
+        self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, PresetEngine] = {}
         self.model: str | None = None
         self.state = "stopped"  # stopped -> starting -> ready | failed
@@ -59,7 +85,8 @@ class Engines:
                 check_hub_model(model)
             self.model = model
             for preset in self.config.used_presets():
-                engine = PresetEngine(preset.name, engine_args(self.config, preset, model, gpu))
+                engine = self.engine_class(preset.name,
+                                           engine_args(self.config, preset, model, gpu))
                 self.engines[preset.name] = engine
                 await engine.start()
         except BaseException:
@@ -95,7 +122,8 @@ class Engines:
             }
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
-        return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model}
+        return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model,
+                "engine": StandInEngine.label if self.stand_in else "vllm"}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
             system_prompt: str, max_tokens: int) -> Fitted:

@@ -116,10 +116,37 @@ def test_engine_args_split_memory_and_pick_eager_mode_per_device():
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     cpu = engine_args(config, fast, "/m", gpu=False)
     assert cpu["model"] == "/m" and cpu["enforce_eager"] is True
+    assert cpu["dtype"] == "float32"
     assert cpu["kv_cache_memory_bytes"] == int(config.memory.cpu_kv_cache_gib * 0.5 * GIB)
     assert cpu["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
     gpu = [engine_args(config, p, "/m", gpu=True) for p in (fast, big)]
     assert all(a["enforce_eager"] is False and "kv_cache_memory_bytes" not in a for a in gpu)
+    assert all(a["dtype"] == "auto" for a in gpu)
     assert sum(a["gpu_memory_utilization"] for a in gpu) <= config.memory.gpu_memory_utilization
     forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
     assert engine_args(forced, fast, "/m", gpu=False)["enforce_eager"] is False
+
+
+def test_small_cpus_give_every_core_to_the_model_unless_the_operator_decides():
+    from engine.llm import cpu_thread_env
+
+    assert cpu_thread_env({}, 2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert cpu_thread_env({}, 64) == {}  # big machines: vLLM's default (one core reserved)
+    assert cpu_thread_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2) == {}
+    assert cpu_thread_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2) == {}
+
+
+def test_engine_kind_is_vllm_unless_the_stand_in_is_asked_for():
+    from engine.llm import PresetEngine
+    from engine.pool import engine_kind
+    from engine.standin import StandInEngine
+
+    assert engine_kind({}) is PresetEngine
+    stand_in = engine_kind({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "500"})
+    assert stand_in.func is StandInEngine and stand_in.keywords == {"tokens_per_s": 500.0}
+    for env, field in (({"VCHAT_ENGINE": "fast"}, "VCHAT_ENGINE"),
+                       ({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "x"},
+                        "VCHAT_STANDIN_TOKENS_PER_S")):
+        with pytest.raises(ConfigError) as err:
+            engine_kind(env)
+        assert err.value.field == field

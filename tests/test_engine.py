@@ -133,6 +133,15 @@ async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config)
     assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
+async def test_without_a_gpu_the_model_runs_in_float32_on_every_core(engines):
+    import os
+
+    engine = engines.for_profile("Throughput-first")
+    assert str(engine.llm.model_config.dtype) == "torch.float32"
+    if len(os.sched_getaffinity(0)) <= 4:  # small machine (CI has 2 cores)
+        assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == "0"  # the workers inherit it
+
+
 async def test_profiles_route_to_their_presets_engine(engines):
     _, _, fast = await run_turn(engines, "Latency-first", max_tokens=2)
     _, _, big = await run_turn(engines, "Throughput-first", max_tokens=2)

@@ -1,0 +1,76 @@
+"""The app layer's own ceiling, measured with the STAND-IN engine (no model).
+
+`chainlit run app.py` with `VCHAT_ENGINE=stand-in` answers every turn with filler tokens
+far faster than asked-for reading speed, so what limits the tokens/s that reach the headless
+clients is the chat layer itself (Chainlit, Socket.IO, our streaming) on this machine's
+cores, which the clients share. Run once with coalescing on (the product default) and once
+with it off (one event per engine delta) to show what it buys.
+
+    .venv/bin/python -m bench.ui_ceiling --sessions 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import psutil
+
+from bench import paths
+from bench.workloads import chat
+from tests.chainlit_client import Server
+
+PROFILE = "Throughput-first"  # the profile whose limits allow the longest replies
+
+
+async def ceiling(sessions: int = 64, tokens: int = 2000, rate: float = 2000.0,
+                  interval_ms: int | None = None) -> dict:
+    """One turn of `tokens` tokens per session, all sessions at once, stand-in at `rate`
+    tokens/s per stream. `interval_ms`: the app's coalescing interval (None: its default)."""
+    env = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": str(rate),
+           "VCHAT_BENCH_IGNORE_EOS": "1"}
+    if interval_ms is not None:
+        env["VCHAT_STREAM_INTERVAL_MS"] = str(interval_ms)
+    server = Server(env)
+    try:
+        health = await server.wait_ready(timeout=120)
+        assert health["engine"].startswith("stand-in"), health
+        await paths.run_app(server.url, PROFILE, chat(8, 16, seed=1), 8)  # warm-up
+        server_proc = psutil.Process(server.proc.pid)
+        server_cpu, own_cpu = sum(server_proc.cpu_times()[:2]), time.process_time()
+        result = await paths.run_app(server.url, PROFILE, chat(sessions, tokens, seed=2),
+                                     sessions)
+        wall = result["wall_s"]
+        result.update({
+            "engine": health["engine"], "sessions": sessions,
+            "stand_in_tok_s_per_stream": rate,
+            "coalescing_interval_ms": interval_ms,
+            "events_per_s": round(result["chunks"] / wall, 1),
+            "tokens_per_event": round(result["output_tokens"] / max(result["chunks"], 1), 1),
+            "server_cpu_share": round((sum(server_proc.cpu_times()[:2]) - server_cpu) / wall, 2),
+            "clients_cpu_share": round((time.process_time() - own_cpu) / wall, 2),
+        })
+        return result
+    finally:
+        server.stop()
+
+
+async def main(args) -> None:
+    runs = {"coalesced": await ceiling(args.sessions, args.tokens, args.rate)}
+    if not args.skip_uncoalesced:
+        runs["one_event_per_delta"] = await ceiling(args.sessions, args.tokens, args.rate, 0)
+    keep = ("sessions", "output_tokens", "wall_s", "tok_s", "events_per_s", "tokens_per_event",
+            "itl_ms", "server_cpu_share", "clients_cpu_share", "completed", "requests")
+    print(json.dumps({k: {f: v[f] for f in keep} for k, v in runs.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens per reply")
+    parser.add_argument("--rate", type=float, default=2000.0,
+                        help="stand-in tokens/s per stream (the demand)")
+    parser.add_argument("--skip-uncoalesced", action="store_true")
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,97 @@
+"""A STAND-IN ENGINE for measuring the app layer alone. It runs no model.
+
+It answers every turn with filler words at a set speed, in steps like a batching engine
+(every `step_s`, each running stream gets its share of tokens as one delta), so the UI layer
+can be driven at any token rate, far beyond what a CPU model produces. It keeps the real
+chat formatting and history fitting (the model's tokenizer), so the app works unchanged.
+
+Only for benchmarks: the app uses it when `VCHAT_ENGINE=stand-in`, and says so to every
+user and in /ready. Selected in bench/ui_ceiling.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from .chat_format import ChatFormatter, Message
+from .errors import EngineUnavailable
+from .stats import StepStats, TurnStats
+
+WORDS = ("stand-in text for measuring the chat layer only no model wrote this "
+         "reply").split()
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class StandInEngine:
+    """Same surface as `PresetEngine` (what `Engines` and the app use), no model behind it."""
+
+    label = "stand-in engine (no model)"
+
+    def __init__(self, preset: str, engine_args: dict, tokens_per_s: float = 1000.0,
+                 step_s: float = 0.01):
+        self.preset = preset
+        self.engine_args = dict(engine_args)
+        self.tokens_per_step = max(1, round(tokens_per_s * step_s))
+        self.step_s = step_s
+        self.step_stats = StepStats()
+        self.max_model_len: int | None = None
+        self.started_in_s: float | None = None
+        self._formatter: ChatFormatter | None = None
+        self._unfinished = 0
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        started = time.monotonic()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained,
+                                            self.engine_args["model"])
+        self._formatter = ChatFormatter(tokenizer)
+        wanted = self.engine_args.get("max_model_len") or -1
+        self.max_model_len = wanted if wanted > 0 else DEFAULT_MAX_MODEL_LEN
+        self.started_in_s = time.monotonic() - started
+
+    def shutdown(self) -> None:
+        self._formatter = None
+
+    @property
+    def running(self) -> bool:
+        return self._formatter is not None
+
+    async def check_health(self) -> bool:
+        return self.running
+
+    def num_unfinished_requests(self) -> int:
+        return self._unfinished
+
+    @property
+    def formatter(self) -> ChatFormatter:
+        if self._formatter is None:
+            raise EngineUnavailable(f"The {self.preset} stand-in engine is not running.")
+        return self._formatter
+
+    async def stream(
+        self, messages: Sequence[Message | dict], *, system_prompt: str = "",
+        temperature: float = 0.7, top_p: float = 1.0, max_tokens: int = 512,
+        ignore_eos: bool = False, seed: int | None = None, prompt_ids: list[int] | None = None,
+    ) -> AsyncIterator[str | TurnStats]:
+        """`max_tokens` filler tokens, `tokens_per_step` of them every `step_s`."""
+        if prompt_ids is None:
+            prompt_ids = self.formatter.prompt_ids(messages, system_prompt)
+        request_id = f"stand-in-{uuid.uuid4().hex}"
+        started, ttft, sent = time.monotonic(), None, 0
+        self._unfinished += 1
+        try:
+            while sent < max_tokens:
+                await asyncio.sleep(self.step_s)
+                n = min(self.tokens_per_step, max_tokens - sent)
+                yield "".join(" " + WORDS[(sent + i) % len(WORDS)] for i in range(n))
+                sent += n
+                if ttft is None:
+                    ttft = time.monotonic() - started
+        finally:
+            self._unfinished -= 1
+        yield TurnStats(request_id, self.preset, len(prompt_ids), sent, ttft,
+                        time.monotonic() - started, "length")
