@@ -2,13 +2,16 @@
 
 For each preset, alone on the machine (its engine only, so presets never share cores):
   1. engine path: chat and mixed workloads at each concurrency level, straight into engine/;
-     for the first preset also the baseline (the same 32 requests one at a time);
-  2. app path: `chainlit run app.py` serving only that preset's profile, the same
-     workloads through headless Socket.IO clients.
-Writes bench/results/latest.json and latest.png, and prints a table.
+     for throughput-first (the batching preset) also the baseline: the 32-user chat
+     requests served one at a time;
+  2. app path: `chainlit run app.py` serving only that preset's profile, the chat workload
+     (`--app-workloads` for more) through headless Socket.IO clients.
+Then the app layer's own ceiling with the stand-in engine (bench/ui_ceiling.py).
+Writes bench/results/latest.json and latest.png, and prints the headline figures.
 
-    .venv/bin/python -m bench.run                       # what `make bench` runs
-    .venv/bin/python -m bench.run --levels 1 4 --quick  # a fast smoke run
+    .venv/bin/python -m bench.run                                  # what `make bench` runs
+    .venv/bin/python -m bench.run --levels 1 4 --min-requests 4 --output-len 16 \
+        --skip-ui-ceiling --name smoke                             # a fast smoke run
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from engine.model import has_cuda, resolve_model
 from engine.pool import engine_args
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BATCHING_PRESET = "throughput-first"  # the preset whose promise is batching
+HEADLINE_USERS = 32
 
 
 def single_preset_profiles(source: Path, preset: str) -> Path:
@@ -46,10 +51,10 @@ def single_preset_profiles(source: Path, preset: str) -> Path:
     return out
 
 
-async def sweep(args, label: str, bar, run) -> dict:
+async def sweep(args, workloads: list[str], label: str, bar, run) -> dict:
     """Every workload at every concurrency level through `run(requests, level)`."""
     results = {}
-    for workload in args.workloads:
+    for workload in workloads:
         for level in args.levels:
             reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
                                        seed=level)
@@ -67,10 +72,10 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
     try:
         await paths.run_engine(engine, WORKLOADS["chat"](4, 8, seed=99), 4)  # warm-up
         result["engine"] = await sweep(
-            args, f"{preset_name} engine", bar,
+            args, args.workloads, f"{preset_name} engine", bar,
             lambda reqs, level: paths.run_engine(engine, reqs, level, bar))
         if baseline:
-            n = max(args.levels)
+            n = HEADLINE_USERS if HEADLINE_USERS in args.levels else max(args.levels)
             reqs = WORKLOADS["chat"](max(n, args.min_requests), args.output_len, seed=n)
             bar.set_description(f"{preset_name} engine baseline (one at a time)")
             result["engine"]["baseline"] = await paths.run_engine(engine, reqs, 1, bar)
@@ -90,7 +95,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
         bar.set_description(f"{preset_name} app starting")
         await server.wait_ready()
         result["app"] = await sweep(
-            args, f"{preset_name} app", bar,
+            args, args.app_workloads, f"{preset_name} app", bar,
             lambda reqs, level: paths.run_app(server.url, profile, reqs, level, bar))
     finally:
         server.stop()
@@ -98,15 +103,17 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
 
 
 def headline(runs: dict, top: int) -> dict:
-    """The figures the issue names, from the raw runs."""
-    first = next(iter(runs))
-    eng = runs[first]["engine"]
-    out = {}
+    """The figures the issue names, from the raw runs (batching ones on the batching preset)."""
+    main = BATCHING_PRESET if BATCHING_PRESET in runs else next(iter(runs))
+    eng = runs[main]["engine"]
+    out = {"headline_preset": main}
     if "baseline" in eng and f"chat@{top}" in eng:
         out[f"batching_speedup_{top}"] = round(eng[f"chat@{top}"]["tok_s"] / eng["baseline"]["tok_s"], 2)
-    app = runs[first]["app"].get(f"chat@{top}")
-    if app and f"chat@{top}" in eng:
-        out[f"app_over_engine_{top}"] = round(app["tok_s"] / eng[f"chat@{top}"]["tok_s"], 3)
+    for name, r in runs.items():
+        app, engine = r["app"].get(f"chat@{top}"), r["engine"].get(f"chat@{top}")
+        if app and engine:
+            key = f"app_over_engine_{top}" if name == main else f"app_over_engine_{top}_{name}"
+            out[key] = round(app["tok_s"] / engine["tok_s"], 3)
     out["presets"] = {}
     for name, r in runs.items():
         m = r["engine"].get(f"mixed@{top}")
@@ -151,25 +158,34 @@ def plot(runs: dict, levels: list[int], path: Path) -> None:
 async def main(args) -> None:
     config = load_config()
     presets = args.presets or [p.name for p in config.used_presets()]
-    per_preset = len(args.workloads) * len(args.levels)
-    total = sum(max(lv, args.min_requests) for lv in args.levels) * len(args.workloads) * len(
-        args.paths) * len(presets)
-    total += max(max(args.levels), args.min_requests)
+    per_level = sum(max(lv, args.min_requests) for lv in args.levels)
+    app_runs = len(args.app_workloads) if "app" in args.paths else 0
+    total = per_level * (len(args.workloads) + app_runs) * len(presets)
+    total += max(HEADLINE_USERS, args.min_requests)  # the baseline
     started = time.monotonic()
     runs = {}
     with tqdm(total=total, unit="req") as bar:
-        for i, name in enumerate(presets):
-            runs[name] = await bench_preset(args, config, name, baseline=(i == 0), bar=bar)
-    top = max(args.levels)
+        for name in presets:
+            batching = name == BATCHING_PRESET or (BATCHING_PRESET not in presets
+                                                   and name == presets[0])
+            runs[name] = await bench_preset(args, config, name, baseline=batching, bar=bar)
+        ceiling = None
+        if not args.skip_ui_ceiling:
+            from bench.ui_ceiling import ceiling_runs
+
+            bar.set_description("app layer ceiling (stand-in engine)")
+            ceiling = await ceiling_runs()
+    top = HEADLINE_USERS if HEADLINE_USERS in args.levels else max(args.levels)
     result = {
         **headline(runs, top),
+        "ui_ceiling": ceiling,
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
                     "gpu": has_cuda(), "python": platform.python_version()},
         "model": resolve_model(config.model),
         "command": "python -m bench.run " + " ".join(sys.argv[1:]),
         "settings": {"levels": args.levels, "workloads": args.workloads,
-                     "output_len": args.output_len, "min_requests": args.min_requests,
-                     "runs_per_preset": per_preset},
+                     "app_workloads": args.app_workloads,
+                     "output_len": args.output_len, "min_requests": args.min_requests},
         "duration_s": round(time.monotonic() - started, 1),
         "runs": runs,
     }
@@ -184,9 +200,13 @@ if __name__ == "__main__":
     parser.add_argument("--presets", nargs="*")
     parser.add_argument("--paths", nargs="+", default=["engine", "app"],
                         choices=["engine", "app"])
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
-                        choices=sorted(WORKLOADS))
+                        choices=sorted(WORKLOADS), help="engine path workloads")
+    parser.add_argument("--app-workloads", nargs="+", default=["chat"],
+                        choices=sorted(WORKLOADS), help="app path workloads")
+    parser.add_argument("--skip-ui-ceiling", action="store_true",
+                        help="leave out the stand-in engine run of the app layer")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--name", default="latest",
                         help="results file name in bench/results (without extension)")

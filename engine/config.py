@@ -43,6 +43,11 @@ class Preset:
     name: str
     memory_share: float
     vllm: dict = field(default_factory=dict)
+    vllm_cpu: dict = field(default_factory=dict)  # on top of `vllm` when there is no GPU
+
+    def options(self, gpu: bool) -> dict:
+        """This preset's vLLM options on the device at hand."""
+        return dict(self.vllm) if gpu else {**self.vllm, **self.vllm_cpu}
 
 
 @dataclass(frozen=True)
@@ -139,11 +144,13 @@ def _build(source: str, raw: dict) -> Config:
         raise ConfigError(source, "presets", "at least one preset is needed")
     for name, body in presets_raw.items():
         where = f"presets.{name}"
-        body = _check_map(source, where, body, required={"memory_share"}, optional={"vllm"})
+        body = _check_map(source, where, body, required={"memory_share"},
+                          optional={"vllm", "vllm_cpu"})
         share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
                               lo=0.0, hi=1.0, lo_open=True)
-        presets[name] = Preset(name, share, _check_vllm(source, f"{where}.vllm",
-                                                        body.get("vllm") or {}))
+        presets[name] = Preset(
+            name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
+            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}))
 
     profiles = []
     for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):

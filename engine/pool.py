@@ -32,7 +32,7 @@ GIB = 1 << 30
 
 def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     """The full vLLM argument set for one preset's engine, memory share included."""
-    args = {**config.vllm, **preset.vllm, "model": model}
+    args = {**config.vllm, **preset.options(gpu), "model": model}
     # Compilation pays off on a GPU; on CPU it quadruples start-up for ~11% (BENCHMARKS.md).
     args.setdefault("enforce_eager", not gpu)
     # On CPUs without AMX, vLLM's float32 path beats bfloat16 at load (BENCHMARKS.md).

@@ -1,8 +1,8 @@
 """A STAND-IN ENGINE for measuring the app layer alone. It runs no model.
 
-It answers every turn with filler words at a set speed, in steps like a batching engine
-(every `step_s`, each running stream gets its share of tokens as one delta), so the UI layer
-can be driven at any token rate, far beyond what a CPU model produces. It keeps the real
+It answers every turn with filler words at a set speed per stream, one token per delta
+like an engine step (above 1,000 tokens/s per stream, several tokens per 1 ms step), so the
+UI layer can be driven at any token rate, far beyond what a CPU model produces. It keeps the real
 chat formatting and history fitting (the model's tokenizer), so the app works unchanged.
 
 Only for benchmarks: the app uses it when `VCHAT_ENGINE=stand-in`, and says so to every
@@ -30,12 +30,11 @@ class StandInEngine:
 
     label = "stand-in engine (no model)"
 
-    def __init__(self, preset: str, engine_args: dict, tokens_per_s: float = 1000.0,
-                 step_s: float = 0.01):
+    def __init__(self, preset: str, engine_args: dict, tokens_per_s: float = 1000.0):
         self.preset = preset
         self.engine_args = dict(engine_args)
-        self.tokens_per_step = max(1, round(tokens_per_s * step_s))
-        self.step_s = step_s
+        self.step_s = max(1.0 / tokens_per_s, 0.001)
+        self.tokens_per_step = max(1, round(tokens_per_s * self.step_s))
         self.step_stats = StepStats()
         self.max_model_len: int | None = None
         self.started_in_s: float | None = None

@@ -33,6 +33,10 @@ def test_shipped_file_loads_with_both_presets():
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     assert fast.vllm["max_num_batched_tokens"] < big.vllm["max_num_batched_tokens"]
     assert fast.vllm["max_num_seqs"] <= big.vllm["max_num_seqs"]
+    for gpu in (True, False):  # on either device, latency-first takes the smaller steps
+        small, large = fast.options(gpu), big.options(gpu)
+        assert small["max_num_batched_tokens"] < large["max_num_batched_tokens"]
+        assert small["max_num_seqs"] <= large["max_num_seqs"]
 
 
 CASES = [
@@ -55,6 +59,8 @@ CASES = [
         max_num_seq=8), "presets.latency-first.vllm.max_num_seq", "max_num_seqs"),
     ("vLLM option of the wrong type", lambda d: d["presets"]["throughput-first"]["vllm"].update(
         max_num_seqs="many"), "presets.throughput-first.vllm.max_num_seqs", "whole number"),
+    ("unknown vLLM option for CPUs", lambda d: d["presets"]["latency-first"]["vllm_cpu"].update(
+        max_batched=8), "presets.latency-first.vllm_cpu.max_batched", "not a vLLM"),
     ("vLLM literal option", lambda d: d["vllm"].update(dtype="fp7"), "vllm.dtype",
      "'bfloat16'"),
     ("managed option", lambda d: d["presets"]["latency-first"]["vllm"].update(
@@ -118,10 +124,11 @@ def test_engine_args_split_memory_and_pick_eager_mode_per_device():
     assert cpu["model"] == "/m" and cpu["enforce_eager"] is True
     assert cpu["dtype"] == "float32"
     assert cpu["kv_cache_memory_bytes"] == int(config.memory.cpu_kv_cache_gib * 0.5 * GIB)
-    assert cpu["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
+    assert cpu["max_num_batched_tokens"] == fast.vllm_cpu["max_num_batched_tokens"]
     gpu = [engine_args(config, p, "/m", gpu=True) for p in (fast, big)]
     assert all(a["enforce_eager"] is False and "kv_cache_memory_bytes" not in a for a in gpu)
     assert all(a["dtype"] == "auto" for a in gpu)
+    assert gpu[0]["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
     assert sum(a["gpu_memory_utilization"] for a in gpu) <= config.memory.gpu_memory_utilization
     forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
     assert engine_args(forced, fast, "/m", gpu=False)["enforce_eager"] is False

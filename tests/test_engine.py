@@ -120,16 +120,16 @@ class _nothing:
 async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config):
     assert set(engines.engines) == {"latency-first", "throughput-first"}
     for name, engine in engines.engines.items():
-        preset = config.presets[name]
+        wanted = config.presets[name].options(gpu=False)  # these machines have no GPU
         sched, cache = engine.scheduler_config, engine.cache_config
-        assert sched.max_num_seqs == preset.vllm["max_num_seqs"]
-        assert sched.max_num_batched_tokens == preset.vllm["max_num_batched_tokens"]
-        assert sched.enable_chunked_prefill == preset.vllm["enable_chunked_prefill"]
-        assert sched.long_prefill_token_threshold == preset.vllm["long_prefill_token_threshold"]
-        assert cache.enable_prefix_caching == preset.vllm["enable_prefix_caching"]
+        assert sched.max_num_seqs == wanted["max_num_seqs"]
+        assert sched.max_num_batched_tokens == wanted["max_num_batched_tokens"]
+        assert sched.enable_chunked_prefill == wanted["enable_chunked_prefill"]
+        assert sched.long_prefill_token_threshold == wanted["long_prefill_token_threshold"]
+        assert cache.enable_prefix_caching == wanted["enable_prefix_caching"]
         # The memory split: this preset's share of the configured KV cache.
         assert cache.kv_cache_memory_bytes == int(
-            config.memory.cpu_kv_cache_gib * preset.memory_share * GIB)
+            config.memory.cpu_kv_cache_gib * config.presets[name].memory_share * GIB)
     assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
