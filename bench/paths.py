@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from bench.metrics import RequestTiming, summarize
-from bench.workloads import Request
+from bench.workloads import SAMPLING, SYSTEM_PROMPT, Request
 from engine import TurnStats
 from engine.llm import PresetEngine
 
@@ -45,7 +45,7 @@ async def run_engine(engine: PresetEngine, requests: list[Request], concurrency:
             timings.append(t)
             async for item in engine.stream([{"role": "user", "content": req.prompt}],
                                             max_tokens=req.output_len, ignore_eos=True,
-                                            temperature=0.8):
+                                            system_prompt=SYSTEM_PROMPT, **SAMPLING):
                 if isinstance(item, TurnStats):
                     t.output_tokens = item.output_tokens
                 else:

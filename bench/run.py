@@ -30,7 +30,7 @@ import yaml
 from tqdm import tqdm
 
 from bench import paths
-from bench.workloads import WORKLOADS
+from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
 from engine import load_config
 from engine.llm import PresetEngine
 from engine.model import has_cuda, resolve_model
@@ -42,10 +42,13 @@ HEADLINE_USERS = 32
 
 
 def single_preset_profiles(source: Path, preset: str) -> Path:
-    """A profiles file holding only `preset` (whole memory) and the profiles that use it."""
+    """A profiles file holding only `preset` (whole memory) and the profiles that use it,
+    with the benchmark's sampling and system prompt, so both paths send the same requests."""
     raw = yaml.safe_load(source.read_text())
     raw["presets"] = {preset: {**raw["presets"][preset], "memory_share": 1.0}}
-    raw["profiles"] = [p for p in raw["profiles"] if p["preset"] == preset]
+    raw["profiles"] = [
+        {**p, "system_prompt": SYSTEM_PROMPT, "sampling": {**p.get("sampling", {}), **SAMPLING}}
+        for p in raw["profiles"] if p["preset"] == preset]
     out = Path(tempfile.mkdtemp()) / "profiles.yaml"
     out.write_text(yaml.safe_dump(raw))
     return out

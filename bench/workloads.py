@@ -11,6 +11,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+# Every request's sampling, the same on the engine and the app path (the app path runs on a
+# profiles file whose profiles carry exactly this; bench/run.py). top_p stays 1.0: vLLM's CPU
+# sampler sorts the whole vocabulary for top_p < 1, which alone costs ~30% of the tokens/s at
+# 32 users here (BENCHMARKS.md), and the benchmark is about batching, not the sampler.
+SAMPLING = {"temperature": 0.8, "top_p": 1.0}
+SYSTEM_PROMPT = ""
+
 TOPICS = ["the sea", "a lighthouse", "bread", "trains", "the moon", "gardening", "chess",
           "volcanoes", "owls", "the printing press", "rain", "bicycles", "glaciers", "tea"]
 FILLER = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
