@@ -16,9 +16,10 @@ from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
 from starlette.responses import JSONResponse
 
+from chat.input import check_message
 from chat.session import Conversation
 from chat.streaming import Coalescer
-from chat.view import dropped_notice, stats_line
+from chat.view import dropped_notice, queued_notice, stats_line
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -32,6 +33,9 @@ except ConfigError as exc:  # a config mistake is a message, not a stack trace
 DEFAULT_PROFILE = next((p for p in CONFIG.profiles if p.default), CONFIG.profiles[0])
 STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
             "already: your message will be answered as soon as it is ready.")
+WITHDRAWN = "*Stopped before the reply began: that message is not part of the conversation.*"
+UNEXPECTED = ("Sorry, something went wrong on our side while answering, and it has been "
+              "logged. Your message was not added to the conversation; please send it again.")
 STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
             "filler text produced at a set speed to measure the chat layer.")
 # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
@@ -137,6 +141,15 @@ async def chat_start() -> None:
         await cl.Message(content=STARTING).send()
 
 
+@cl.on_chat_end
+async def chat_end() -> None:
+    """The browser went away (or started a new chat): stop generating for it, so the
+    engine does not keep writing a reply nobody reads (closing the stream aborts it)."""
+    task = cl.context.session.current_task
+    if task is not None and not task.done():
+        task.cancel()
+
+
 def settings_panel(conv: Conversation) -> cl.ChatSettings:
     limits, now = conv.profile.limits, conv.settings
     return cl.ChatSettings([
@@ -164,7 +177,25 @@ async def settings_update(values: dict) -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     conv = conversation()
-    text = message.content
+    try:
+        checked = check_message(message.content, conv.profile.limits.message_chars)
+        conv.begin_turn()
+    except ChatError as exc:  # refused: nothing is stored, the chat goes on
+        await cl.Message(content=str(exc)).send()
+        return
+    try:
+        if checked.notice:
+            await cl.Message(content=checked.notice).send()
+        await answer(conv, checked.text)
+    except Exception:  # a bug or an engine failure: logged, never a trace to the user
+        log.exception("turn failed")
+        await cl.Message(content=UNEXPECTED).send()
+    finally:
+        conv.end_turn()
+
+
+async def answer(conv: Conversation, text: str) -> None:
+    """One turn: fit the history, stream the reply, record it."""
     try:
         await engines_ready()
         fitted = ENGINES.fit(conv.profile.name, conv.history(), Message("user", text),
@@ -179,10 +210,28 @@ async def on_message(message: cl.Message) -> None:
 
     reply, stats = cl.Message(content=""), None
     out = Coalescer(reply.stream_token, STREAM_INTERVAL_S)
+    queue_note: cl.Message | None = None
+
+    async def on_queued(place: int) -> None:  # the engine is full: show where we wait
+        nonlocal queue_note
+        if queue_note is None:
+            queue_note = cl.Message(content=queued_notice(place))
+            await queue_note.send()
+        else:
+            queue_note.content = queued_notice(place)
+            await queue_note.update()
+
+    async def drop_queue_note() -> None:
+        nonlocal queue_note
+        if queue_note is not None:
+            note, queue_note = queue_note, None
+            await note.remove()
+
     try:
         async for item in ENGINES.stream(fitted.messages, conv.profile.name,
-                                         prompt_ids=fitted.prompt_ids, ignore_eos=IGNORE_EOS,
-                                         **conv.sampling()):
+                                         on_queued=on_queued, prompt_ids=fitted.prompt_ids,
+                                         ignore_eos=IGNORE_EOS, **conv.sampling()):
+            await drop_queue_note()
             if isinstance(item, TurnStats):
                 stats = item
             else:
@@ -190,15 +239,24 @@ async def on_message(message: cl.Message) -> None:
         await out.close()
     except asyncio.CancelledError:  # the user pressed Stop: keep what was shown
         out.discard()
+        await drop_queue_note()
+        if not reply.content:  # withdrawn before the reply began: not part of the chat
+            await cl.Message(content=WITHDRAWN).send()
+            raise
         conv.record(text, reply.content, stopped=True)
         reply.metadata = {"stopped": True, "profile": conv.profile.name}
         reply.content += "\n\n*Stopped.*"
         await reply.send()
         raise
-    except ChatError as exc:
+    except ChatError as exc:  # EngineBusy (queue full) among them: nothing is recorded
         out.discard()
+        await drop_queue_note()
         await cl.Message(content=str(exc)).send()
         return
+    except Exception:
+        out.discard()
+        await drop_queue_note()
+        raise
     conv.record(text, reply.content)
     reply.metadata = {"profile": conv.profile.name, "preset": stats.preset,
                       "prompt_tokens": stats.prompt_tokens,

@@ -14,6 +14,52 @@ def fmt(value, digits=1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def targets(result: dict) -> str:
+    """The issue's targets against this run's figures."""
+    presets = result.get("presets") or {}
+    fast, big = presets.get("latency-first"), presets.get("throughput-first")
+    rows = []
+
+    def row(name, target, value, holds):
+        verdict = "-" if value is None else ("yes" if holds else "**no**")
+        rows.append(f"| {name} | {target} | {value if value is not None else '-'} | {verdict} |")
+
+    speed = result.get("batching_speedup_32")
+    row("batching_speedup_32 (throughput-first)", ">= 12", speed, speed is not None and speed >= 12)
+    app = result.get("app_over_engine_32")
+    row("app_over_engine_32 (throughput-first)", ">= 0.9", app, app is not None and app >= 0.9)
+    if fast and big:
+        ratio = round(fast["itl_p95_ms"] / big["itl_p95_ms"], 2)
+        row("latency-first ITL p95 / throughput-first's (mixed, 32 users)", "<= 0.8",
+            f"{ratio} ({fmt(fast['itl_p95_ms'], 0)} / {fmt(big['itl_p95_ms'], 0)} ms)",
+            ratio <= 0.8)
+        ratio = round(big["tok_s"] / fast["tok_s"], 2)
+        row("throughput-first tok/s / latency-first's (mixed, 32 users)", ">= 1.15",
+            f"{ratio} ({fmt(big['tok_s'])} / {fmt(fast['tok_s'])})", ratio >= 1.15)
+    ceiling = (result.get("ui_ceiling") or {}).get("coalesced")
+    if ceiling:
+        row(f"app layer ceiling, stand-in engine, {ceiling['sessions']} sessions (tok/s)",
+            ">= 20,000", fmt(ceiling["tok_s"], 0), ceiling["tok_s"] >= 20000)
+    return "\n".join(["| figure | target | measured | holds |", "| --- | --- | --- | --- |"]
+                     + rows) + "\n"
+
+
+def ceiling_table(result: dict) -> str:
+    runs = result.get("ui_ceiling") or {}
+    if not runs:
+        return ""
+    lines = ["| stand-in run | sessions | tok/s | text events/s | tokens per event "
+             "| TTFT p50 ms | ITL p50 / p95 ms | server CPU (cores) | clients CPU (cores) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        lines.append(f"| {name} | {r['sessions']} | {fmt(r['tok_s'], 0)} | "
+                     f"{fmt(r['events_per_s'], 0)} | {r['tokens_per_event']} | "
+                     f"{fmt(r['ttft_ms']['p50'], 0)} | {fmt(r['itl_ms']['p50'], 0)} / "
+                     f"{fmt(r['itl_ms']['p95'], 0)} | {r['server_cpu_share']} | "
+                     f"{r['clients_cpu_share']} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(result: dict) -> str:
     lines = ["| preset | path | workload | users | tok/s | req/s | TTFT p50 / p95 ms "
              "| ITL p50 / p95 ms | TPOT p50 ms | E2E p95 ms | peak running |",
@@ -30,9 +76,11 @@ def render(result: dict) -> str:
                     f"{fmt(r['itl_ms']['p95'], 0)} | {fmt(r['tpot_ms']['p50'], 0)} "
                     f"| {fmt(r['e2e_ms']['p95'], 0)} "
                     f"| {r.get('engine', {}).get('running_max', '-')} |")
-    head = {k: v for k, v in result.items() if k not in ("runs", "presets", "settings")}
-    return "\n".join(lines) + "\n\n```json\n" + json.dumps(
-        {**head, "presets": result.get("presets")}, indent=2) + "\n```\n"
+    head = {k: v for k, v in result.items()
+            if k not in ("runs", "presets", "settings", "ui_ceiling")}
+    return (targets(result) + "\n" + "\n".join(lines) + "\n\n" + ceiling_table(result)
+            + "\n```json\n" + json.dumps({**head, "presets": result.get("presets")}, indent=2)
+            + "\n```\n")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ No UI code here: app.py keeps one `Conversation` per Chainlit session and calls 
 
 from __future__ import annotations
 
+import collections
+import math
+import time
 from dataclasses import dataclass, field, replace
 
 from engine import Message, Profile
+
+from .input import MessageRefused
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class Conversation:
     settings: Settings
     turns: list[Turn] = field(default_factory=list)
     told_about_dropping: bool = False
+    in_flight: bool = False  # a turn of this session is being answered
+    _started: collections.deque = field(default_factory=collections.deque)  # turn start times
 
     @classmethod
     def start(cls, profile: Profile) -> "Conversation":
@@ -48,6 +55,27 @@ class Conversation:
         for turn in self.turns:
             out += [Message("user", turn.user), Message("assistant", turn.reply)]
         return out
+
+    def begin_turn(self, now: float | None = None) -> None:
+        """Admit a new turn of this session, or MessageRefused: one turn at a time, and at
+        most `limits.turns_per_minute` in any minute."""
+        now = time.monotonic() if now is None else now
+        if self.in_flight:
+            raise MessageRefused("Still answering your previous message: wait for the reply "
+                                 "to finish, or press Stop, then send this one again.")
+        per_minute = self.profile.limits.turns_per_minute
+        while self._started and now - self._started[0] >= 60:
+            self._started.popleft()
+        if len(self._started) >= per_minute:
+            wait = math.ceil(60 - (now - self._started[0]))
+            raise MessageRefused(f"You are sending messages faster than this chat allows "
+                                 f"({per_minute} a minute). Please wait {wait} s and send "
+                                 "it again.")
+        self._started.append(now)
+        self.in_flight = True
+
+    def end_turn(self) -> None:
+        self.in_flight = False
 
     def record(self, user: str, reply: str, stopped: bool = False) -> None:
         self.turns.append(Turn(user, reply, stopped))

@@ -16,3 +16,9 @@ def dropped_notice(turns: int) -> str:
             f"{'turn was' if turns == 1 else f'{turns} turns were'} left out of what the "
             "model sees (and older ones will be as it grows). Start a new chat for a clean "
             "slate.")
+
+
+def queued_notice(place: int) -> str:
+    ahead = "next in line" if place == 1 else f"number {place} in line"
+    return (f"Many people are chatting right now: your message is {ahead}. It will be "
+            "answered as soon as a place is free (Stop withdraws it).")

@@ -44,6 +44,7 @@ class Preset:
     memory_share: float
     vllm: dict = field(default_factory=dict)
     vllm_cpu: dict = field(default_factory=dict)  # on top of `vllm` when there is no GPU
+    max_queued_turns: int = 64  # turns that may wait for the engine; more are refused
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
@@ -59,11 +60,13 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Limits:
-    """What a user may set in the chat settings panel, per profile."""
+    """What a user may set in the chat settings panel, and send, per profile."""
 
     temperature: float = 1.5
     max_tokens: int = 2048
     system_prompt_chars: int = 4000
+    message_chars: int = 100_000    # longer messages are refused before any tokenizing
+    turns_per_minute: int = 20      # per chat session
 
 
 @dataclass(frozen=True)
@@ -145,12 +148,14 @@ def _build(source: str, raw: dict) -> Config:
     for name, body in presets_raw.items():
         where = f"presets.{name}"
         body = _check_map(source, where, body, required={"memory_share"},
-                          optional={"vllm", "vllm_cpu"})
+                          optional={"vllm", "vllm_cpu", "max_queued_turns"})
         share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
                               lo=0.0, hi=1.0, lo_open=True)
+        queued = _check_number(source, f"{where}.max_queued_turns",
+                               body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
         presets[name] = Preset(
             name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
-            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}))
+            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued)
 
     profiles = []
     for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):
@@ -192,9 +197,10 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
                          hi=limits[k][2], lo_open=(k == "top_p"))
         for k, v in s_raw.items()})
     l_raw = _check_map(source, f"{where}.limits", body.get("limits") or {},
-                       optional={"temperature", "max_tokens", "system_prompt_chars"})
+                       optional={f.name for f in dataclasses.fields(Limits)})
     l_kinds = {"temperature": (float, 0.0, 2.0), "max_tokens": (int, 1, None),
-               "system_prompt_chars": (int, 0, None)}
+               "system_prompt_chars": (int, 0, None), "message_chars": (int, 1, None),
+               "turns_per_minute": (int, 1, None)}
     limits_ = Limits(**{k: _check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
                                          lo=l_kinds[k][1], hi=l_kinds[k][2])
                         for k, v in l_raw.items()})

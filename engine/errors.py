@@ -23,3 +23,13 @@ class ModelNotFound(ChatError):
 
 class EngineUnavailable(ChatError):
     """The engine is not running (still starting, stopped or failed)."""
+
+
+class EngineBusy(ChatError):
+    """Every place in the engine and in its queue is taken; try again later."""
+
+    def __init__(self, name: str, running: int, waiting: int):
+        self.name, self.running, self.waiting = name, running, waiting
+        super().__init__(f"This chat is busy right now: {running} replies are being written "
+                         f"and {waiting} messages are waiting. Please try again in a minute; "
+                         "your message was not sent.")

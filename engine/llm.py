@@ -116,6 +116,11 @@ class PresetEngine:
         return self._require()
 
     @property
+    def max_num_seqs(self) -> int:
+        """How many turns vLLM runs at once on this engine."""
+        return self.scheduler_config.max_num_seqs
+
+    @property
     def scheduler_config(self):
         return self._require().vllm_config.scheduler_config
 

@@ -15,8 +15,9 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+from .admission import Admission
 from .chat_format import Message
 from .config import Config, Preset
 from .errors import ConfigError, EngineUnavailable
@@ -72,6 +73,7 @@ class Engines:
         self.engine_class = engine_class or engine_kind()
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, PresetEngine] = {}
+        self.admission: dict[str, Admission] = {}
         self.model: str | None = None
         self.state = "stopped"  # stopped -> starting -> ready | failed
 
@@ -89,6 +91,9 @@ class Engines:
                                            engine_args(self.config, preset, model, gpu))
                 self.engines[preset.name] = engine
                 await engine.start()
+                # Our queue, not vLLM's: at most as many turns inside as it runs at once.
+                self.admission[preset.name] = Admission(engine.max_num_seqs,
+                                                        preset.max_queued_turns, preset.name)
         except BaseException:
             self.state = "failed"
             self.shutdown(keep_state=True)
@@ -99,6 +104,7 @@ class Engines:
         for engine in self.engines.values():
             engine.shutdown()
         self.engines.clear()
+        self.admission.clear()
         if not keep_state:
             self.state = "stopped"
 
@@ -120,6 +126,10 @@ class Engines:
                 "peak_running": engine.step_stats.max_running,
                 "steps": engine.step_stats.steps,
             }
+            gate = self.admission.get(name)
+            if gate is not None:
+                engines[name].update(admitted=gate.inside, queued=gate.waiting,
+                                     max_admitted=gate.running, max_queued=gate.queued)
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
         return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model,
@@ -133,9 +143,14 @@ class Engines:
                            max_model_len=engine.max_model_len, max_tokens=max_tokens)
 
     async def stream(
-        self, messages: Sequence[Message | dict], profile: str, **overrides
+        self, messages: Sequence[Message | dict], profile: str,
+        on_queued: Callable[[int], Awaitable[None]] | None = None, **overrides
     ) -> AsyncIterator[str | TurnStats]:
-        """Stream one turn on the profile's engine with its system prompt and sampling."""
+        """Stream one turn on the profile's engine with its system prompt and sampling.
+
+        The turn first takes a place in the engine's admission queue (admission.py):
+        `on_queued(place)` hears about waiting, EngineBusy means the queue is full.
+        """
         prof = self.config.profile(profile)
         engine = self.for_profile(profile)
         sampling = {"temperature": prof.sampling.temperature, "top_p": prof.sampling.top_p,
@@ -143,6 +158,7 @@ class Engines:
         sampling.update(overrides)
         # aclosing: when our caller leaves early, the engine's stream is closed (and its
         # request aborted) now, not whenever the garbage collector gets to it.
-        async with contextlib.aclosing(engine.stream(messages, **sampling)) as items:
-            async for item in items:
-                yield item
+        async with self.admission[engine.preset].slot(on_queued):
+            async with contextlib.aclosing(engine.stream(messages, **sampling)) as items:
+                async for item in items:
+                    yield item

@@ -56,6 +56,10 @@ class StandInEngine:
         self._formatter = None
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.engine_args.get("max_num_seqs", 256)
+
+    @property
     def running(self) -> bool:
         return self._formatter is not None
 

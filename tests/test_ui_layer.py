@@ -2,10 +2,13 @@
 `chainlit run app.py` server whose engine emits tokens far faster than any CPU model, to
 check what the UI layer does with a fast stream."""
 
+import asyncio
+
 import pytest
+import yaml
 
 from engine.standin import WORDS
-from tests.chainlit_client import ChatClient, Server
+from tests.chainlit_client import ROOT, ChatClient, Server
 
 RATE = 2000  # tokens/s per stream: 2 tokens every 1 ms step
 
@@ -46,3 +49,45 @@ async def test_a_fast_stream_is_coalesced_into_few_events_and_loses_nothing(serv
     events = len(reply.tokens)
     assert events < 500 / 10, f"{events} text events for 500 engine deltas"
     await c.close()
+
+
+@pytest.fixture(scope="module")
+async def small_queue_server(tmp_path_factory):
+    """Latency-first runs 16 turns at once on CPU; here at most 8 more may wait. Turns of
+    40 tokens at 10 tokens/s last 4 s: far longer than 64 messages take to arrive."""
+    raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+    raw["presets"]["latency-first"]["max_queued_turns"] = 8
+    path = tmp_path_factory.mktemp("profiles") / "profiles.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    srv = Server({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "10",
+                  "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(path)})
+    try:
+        await srv.wait_ready(timeout=120)
+        yield srv
+    finally:
+        srv.stop()
+
+
+async def test_overload_beyond_the_queue_is_refused_at_once_and_nothing_hangs(
+        small_queue_server):
+    server = small_queue_server
+    clients = [ChatClient(server.url, "Latency-first") for _ in range(64)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    await asyncio.gather(*[c.settings(max_tokens=40, show_stats=False) for c in clients])
+    outcomes = await asyncio.gather(*[c.send("Hello!", timeout=120) for c in clients])
+    _, health = await server.ready_state()
+    gate = health["engines"]["latency-first"]
+    answered = [o for o in outcomes if o.reply is not None]
+    busy = [o for o in outcomes if any("busy right now" in n for n in o.notes)]
+    waited = [o for o in answered if any("in line" in n for n in o.notes)]
+    # Every turn ended one way or the other, clearly; none hung (send() would time out).
+    assert len(answered) + len(busy) == 64 and not (set(map(id, answered)) & set(map(id, busy)))
+    assert all(o.reply["metadata"]["output_tokens"] == 40 for o in answered)
+    assert len(answered) == gate["max_admitted"] + gate["max_queued"] == 16 + 8
+    assert len(waited) == 8 and len(busy) == 40
+    assert all(o.reply is None for o in busy), "a refused turn gets no reply"
+    assert gate["admitted"] == 0 and gate["queued"] == 0
+    # Refused users can simply try again.
+    retry = await clients[outcomes.index(busy[0])].send("Hello again!")
+    assert retry.reply["metadata"]["output_tokens"] == 40
+    await asyncio.gather(*[c.close() for c in clients])
