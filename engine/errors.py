@@ -33,3 +33,7 @@ class EngineBusy(ChatError):
         super().__init__(f"This chat is busy right now: {running} replies are being written "
                          f"and {waiting} messages are waiting. Please try again in a minute; "
                          "your message was not sent.")
+
+
+class EngineFailed(ChatError):
+    """The engine died while answering; the turn is lost and the engine restarts."""

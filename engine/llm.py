@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from .chat_format import ChatFormatter, Message
-from .errors import ChatError, ConfigError, EngineUnavailable
+from .errors import ChatError, ConfigError, EngineFailed, EngineUnavailable
 from .stats import StepStats, TurnStats
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,8 @@ class PresetEngine:
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, out_tokens, finish, done = None, 0, "abort", False
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids),
                                              params, request_id):
@@ -197,6 +199,11 @@ class PresetEngine:
                     yield completion.text
                 if output.finished:
                     finish, done = completion.finish_reason or "stop", True
+        except EngineDeadError as exc:
+            done = True  # nothing left to abort
+            log.error("engine %r died during turn %s: %s", self.preset, request_id, exc)
+            raise EngineFailed("The model stopped unexpectedly while answering. It is being "
+                               "restarted; please send your message again in a minute.") from exc
         finally:
             if not done:  # cancelled or closed early: make sure vLLM stops generating
                 with contextlib.suppress(Exception):

@@ -11,6 +11,7 @@ Usage (the public surface the UI relies on):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -29,6 +30,10 @@ from .stats import TurnStats
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+WATCH_INTERVAL_S = 1.0
+RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30, 60)  # between restart attempts of a dead engine
+RESTARTING = ("The model for this chat stopped unexpectedly and is being restarted. Please "
+              "send your message again in a minute.")
 
 
 def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
@@ -74,6 +79,9 @@ class Engines:
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, PresetEngine] = {}
         self.admission: dict[str, Admission] = {}
+        self.restarting: set[str] = set()  # presets whose engine died and is starting again
+        self.restarts: dict[str, int] = {}
+        self._watchdog: asyncio.Task | None = None
         self.model: str | None = None
         self.state = "stopped"  # stopped -> starting -> ready | failed
 
@@ -99,8 +107,45 @@ class Engines:
             self.shutdown(keep_state=True)
             raise
         self.state = "ready"
+        self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Restart any engine that died, with back-off, while the others keep serving."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for name, engine in list(self.engines.items()):
+                if not engine.running and name not in self.restarting:
+                    self.restarting.add(name)
+                    asyncio.ensure_future(self._restart(name, engine))
+
+    async def _restart(self, name: str, dead: PresetEngine) -> None:
+        log.error("Engine %r died; restarting it", name)
+        with contextlib.suppress(Exception):
+            dead.shutdown()
+        attempt = 0
+        while True:
+            delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+            await asyncio.sleep(delay)
+            attempt += 1
+            engine = self.engine_class(name, dead.engine_args)
+            try:
+                await engine.start()
+            except Exception:
+                log.exception("Restart %d of engine %r failed; next try in %s s", attempt,
+                              name, RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
+                continue
+            self.engines[name] = engine
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            self.restarting.discard(name)
+            log.info("Engine %r is back after %d attempt(s)", name, attempt)
+            return
 
     def shutdown(self, keep_state: bool = False) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         for engine in self.engines.values():
             engine.shutdown()
         self.engines.clear()
@@ -110,6 +155,8 @@ class Engines:
 
     def for_profile(self, profile: str) -> PresetEngine:
         preset = self.config.profile(profile).preset
+        if preset in self.restarting:
+            raise EngineUnavailable(RESTARTING)
         engine = self.engines.get(preset)
         if engine is None or not engine.running:
             raise EngineUnavailable(f"The engine for {profile!r} is {self.state}.")
@@ -122,6 +169,8 @@ class Engines:
             healthy = await engine.check_health()
             engines[name] = {
                 "healthy": healthy,
+                "restarting": name in self.restarting,
+                "restarts": self.restarts.get(name, 0),
                 "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
                 "peak_running": engine.step_stats.max_running,
                 "steps": engine.step_stats.steps,
@@ -132,7 +181,8 @@ class Engines:
                                      max_admitted=gate.running, max_queued=gate.queued)
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
-        return {"status": "ok" if ok else self.state, "engines": engines, "model": self.model,
+        status = "ok" if ok else ("restarting" if self.restarting else self.state)
+        return {"status": status, "engines": engines, "model": self.model,
                 "engine": StandInEngine.label if self.stand_in else "vllm"}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,

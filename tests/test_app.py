@@ -305,3 +305,36 @@ async def test_closing_the_browser_mid_reply_aborts_its_request(server):
                 break
             await asyncio.sleep(0.2)
         assert not busy, f"round {round_}: still generating for closed browsers: {health}"
+
+
+async def test_a_dead_engine_is_restarted_and_users_are_told(server):
+    """Kill the engines' processes mid-turn (last in this module: it restarts them)."""
+    import psutil
+
+    c = await client(server, max_tokens=400)
+    start = len(c.events)
+    await c.emit_message("Write a very long essay about the sea.")
+    await c.wait_for("stream_start", since=start)
+    cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+             if p.name() == "VLLM::EngineCore"]
+    assert len(cores) == 2
+    for p in cores:
+        p.kill()
+    end = await c.wait_for("task_end", since=start, timeout=60)
+    crashed = c.collect(start, end + 1)
+    notes = " ".join(crashed.notes)
+    assert "stopped unexpectedly" in notes and no_internals(notes), notes
+    # While it restarts: /ready says so, and new turns get a clear message, not a hang.
+    deadline = time.monotonic() + 30
+    while (await server.ready_state())[1]["status"] != "restarting":
+        assert time.monotonic() < deadline, "never reported restarting"
+        await asyncio.sleep(0.2)
+    status, health = await server.ready_state()
+    assert status == 503
+    during = await c.send("Are you there?")
+    assert during.reply is None and any("being restarted" in n for n in during.notes)
+    health = await server.wait_ready(timeout=400)  # back, with back-off, on its own
+    assert all(e["restarts"] >= 1 for e in health["engines"].values())
+    after = await c.send("Hello again!")
+    assert after.reply["metadata"]["output_tokens"] > 0
+    await c.close()
