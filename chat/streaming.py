@@ -30,7 +30,6 @@ class Coalescer:
         self._timer: asyncio.TimerHandle | None = None
         self._timed_flush: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # FIFO: pieces go out in the order they came
-        self.sends = 0
 
     async def add(self, text: str) -> None:
         self._pending.append(text)
@@ -52,7 +51,6 @@ class Coalescer:
             text = "".join(self._pending)
             self._pending.clear()
             self._last_sent = time.monotonic()
-            self.sends += 1
             await self._send(text)
 
     async def close(self) -> None:

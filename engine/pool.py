@@ -51,6 +51,11 @@ def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     return args
 
 
+def _backoff(attempt: int) -> float:
+    """Seconds to wait before restart attempt `attempt` (0-based) of a dead engine."""
+    return RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+
+
 def engine_kind(env: Mapping[str, str] = os.environ) -> Callable[[str, dict], PresetEngine]:
     """What runs each preset: vLLM (always, in the product) or, for benchmarks of the app
     layer only, the stand-in (`VCHAT_ENGINE=stand-in`, `VCHAT_STANDIN_TOKENS_PER_S`)."""
@@ -124,15 +129,14 @@ class Engines:
             dead.shutdown()
         attempt = 0
         while True:
-            delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
-            await asyncio.sleep(delay)
+            await asyncio.sleep(_backoff(attempt))
             attempt += 1
             engine = self.engine_class(name, dead.engine_args)
             try:
                 await engine.start()
             except Exception:
                 log.exception("Restart %d of engine %r failed; next try in %s s", attempt,
-                              name, RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
+                              name, _backoff(attempt))
                 with contextlib.suppress(Exception):
                     engine.shutdown()
                 continue
@@ -202,13 +206,15 @@ class Engines:
         `on_queued(place)` hears about waiting, EngineBusy means the queue is full.
         """
         prof = self.config.profile(profile)
-        engine = self.for_profile(profile)
+        self.for_profile(profile)  # not running (starting, restarting): refused before queueing
         sampling = {"temperature": prof.sampling.temperature, "top_p": prof.sampling.top_p,
                     "max_tokens": prof.sampling.max_tokens, "system_prompt": prof.system_prompt}
         sampling.update(overrides)
-        # aclosing: when our caller leaves early, the engine's stream is closed (and its
-        # request aborted) now, not whenever the garbage collector gets to it.
-        async with self.admission[engine.preset].slot(on_queued):
+        async with self.admission[prof.preset].slot(on_queued):
+            # Looked up once admitted: the engine may have been restarted while we waited.
+            engine = self.for_profile(profile)
+            # aclosing: when our caller leaves early, the engine's stream is closed (and its
+            # request aborted) now, not whenever the garbage collector gets to it.
             async with contextlib.aclosing(engine.stream(messages, **sampling)) as items:
                 async for item in items:
                     yield item
