@@ -69,8 +69,11 @@ def render(result: dict) -> str:
             for key, r in runs[path].items():
                 workload, _, users = key.partition("@")
                 users = users or "1 (one at a time)"
+                tok_s = fmt(r["tok_s"])
+                if "repeats_tok_s" in r:  # the median run of several
+                    tok_s += " (median of " + " / ".join(fmt(x) for x in r["repeats_tok_s"]) + ")"
                 lines.append(
-                    f"| {preset} | {path} | {workload} | {users} | {fmt(r['tok_s'])} "
+                    f"| {preset} | {path} | {workload} | {users} | {tok_s} "
                     f"| {fmt(r['req_s'], 2)} | {fmt(r['ttft_ms']['p50'], 0)} / "
                     f"{fmt(r['ttft_ms']['p95'], 0)} | {fmt(r['itl_ms']['p50'], 0)} / "
                     f"{fmt(r['itl_ms']['p95'], 0)} | {fmt(r['tpot_ms']['p50'], 0)} "
