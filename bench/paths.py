@@ -31,9 +31,10 @@ def engine_view(engine: PresetEngine) -> dict:
             "kv_cache_usage_max": round(max(s.kv_cache_usage for s in samples), 4)}
 
 
-async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
-                     progress=None) -> dict:
-    """`concurrency` users at once, each taking the next request when its turn ends."""
+async def drive_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
+                       progress=None) -> tuple[list[RequestTiming], float]:
+    """`concurrency` users at once, each taking the next request when its turn ends.
+    Returns the per-request timings and the wall time."""
     queue = list(reversed(requests))
     timings: list[RequestTiming] = []
 
@@ -53,10 +54,16 @@ async def run_engine(engine: PresetEngine, requests: list[Request], concurrency:
             if progress:
                 progress.update(1)
 
-    engine.step_stats.reset()
     started = time.monotonic()
     await asyncio.gather(*[user() for _ in range(concurrency)])
-    result = summarize(timings, time.monotonic() - started)
+    return timings, time.monotonic() - started
+
+
+async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
+                     progress=None) -> dict:
+    """One run on the engine path: its metrics and the scheduler's view of it."""
+    engine.step_stats.reset()
+    result = summarize(*await drive_engine(engine, requests, concurrency, progress))
     result["engine"] = engine_view(engine)
     return result
 

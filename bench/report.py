@@ -27,7 +27,10 @@ def targets(result: dict) -> str:
     speed = result.get("batching_speedup_32")
     row("batching_speedup_32 (throughput-first)", ">= 12", speed, speed is not None and speed >= 12)
     app = result.get("app_over_engine_32")
-    row("app_over_engine_32 (throughput-first)", ">= 0.9", app, app is not None and app >= 0.9)
+    pairs = result.get("runs", {}).get(result.get("headline_preset"), {}).get(
+        "app_over_engine_pairs")
+    shown = f"{app} (median of {' / '.join(map(str, pairs))})" if app and pairs else app
+    row("app_over_engine_32 (throughput-first)", ">= 0.9", shown, app is not None and app >= 0.9)
     if fast and big:
         ratio = round(fast["itl_p95_ms"] / big["itl_p95_ms"], 2)
         row("latency-first ITL p95 / throughput-first's (mixed, 32 users)", "<= 0.8",

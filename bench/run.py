@@ -27,10 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 from tqdm import tqdm
 
 from bench import paths
+from bench.metrics import summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
 from engine import load_config
 from engine.llm import PresetEngine
@@ -40,6 +42,10 @@ from engine.pool import engine_args
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHING_PRESET = "throughput-first"  # the preset whose promise is batching
 HEADLINE_USERS = 32
+# The app path's server gets the environment this process started with: starting an engine
+# in-process makes vLLM set variables (LD_PRELOAD, thread settings) that a server started
+# by hand (`make run`) would not inherit, and that measurably change its engine's speed.
+ENV_AT_START = dict(os.environ)
 
 
 def single_preset_profiles(source: Path, preset: str) -> Path:
@@ -56,28 +62,56 @@ def single_preset_profiles(source: Path, preset: str) -> Path:
 
 
 async def sweep(args, workloads: list[str], label: str, bar, run) -> dict:
-    """Every workload at every concurrency level through `run(requests, level)`.
-
-    The headline runs (chat at HEADLINE_USERS) are repeated `args.repeats` times and the run
-    with the median tokens/s is kept, with every repeat's figure beside it: one 32-user run
-    lasts ~8 s here, and single runs of the same code moved by +-10%."""
+    """Every workload at every concurrency level through `run(requests, level)`, except the
+    headline runs (chat at the headline level): `headline_runs` interleaves those."""
     results = {}
     for workload in workloads:
         for level in args.levels:
-            reqs = WORKLOADS[workload](max(level, args.min_requests), args.output_len,
-                                       seed=level)
-            repeats = args.repeats if (workload, level) == ("chat", headline_level(args)) else 1
-            runs = []
-            for i in range(repeats):
-                bar.set_description(f"{label} {workload} x{level}"
-                                    + (f" ({i + 1}/{repeats})" if repeats > 1 else ""))
-                runs.append(await run(reqs, level))
-            runs.sort(key=lambda r: r["tok_s"])
-            kept = runs[len(runs) // 2]
-            if repeats > 1:
-                kept["repeats_tok_s"] = [r["tok_s"] for r in runs]
-            results[f"{workload}@{level}"] = kept
+            if (workload, level) == ("chat", headline_level(args)):
+                continue
+            bar.set_description(f"{label} {workload} x{level}")
+            results[f"{workload}@{level}"] = await run(requests(args, workload, level), level)
     return results
+
+
+def requests(args, workload: str, level: int) -> list:
+    return WORKLOADS[workload](max(level, args.min_requests), args.output_len, seed=level)
+
+
+async def headline_runs(args, label: str, bar, engine_run, app_run, baseline_run) -> dict:
+    """The runs the ratios come from, interleaved in time: engine path, app path and a part
+    of the one-at-a-time baseline in turn, `args.repeats` times. This machine's speed
+    drifts by 10-20% over minutes (shared hosts), so runs minutes apart are not comparable;
+    neighbours in time are. Keeps the median run of each path, every repeat's figure, and
+    the app/engine ratio of each neighbouring pair."""
+    level = headline_level(args)
+    reqs = requests(args, "chat", level)
+    parts = [reqs[i::args.repeats] for i in range(args.repeats)] if baseline_run else []
+    runs = {"engine": [], "app": []}
+    base_timings, base_wall = [], 0.0
+    for i in range(args.repeats):
+        step = f"({i + 1}/{args.repeats})"
+        bar.set_description(f"{label} engine chat x{level} {step}")
+        runs["engine"].append(await engine_run(reqs, level))
+        if app_run:
+            bar.set_description(f"{label} app chat x{level} {step}")
+            runs["app"].append(await app_run(reqs, level))
+        if parts:
+            bar.set_description(f"{label} engine baseline (one at a time) {step}")
+            timings, wall = await baseline_run(parts[i])
+            base_timings += timings
+            base_wall += wall
+    out = {}
+    for route, done in runs.items():
+        if done:
+            kept = sorted(done, key=lambda r: r["tok_s"])[len(done) // 2]
+            out[route] = {**kept, "repeats_tok_s": [r["tok_s"] for r in done]}
+    if runs["app"]:
+        out["app_over_engine"] = [round(a["tok_s"] / e["tok_s"], 3)
+                                  for a, e in zip(runs["app"], runs["engine"])]
+    if parts:
+        out["baseline"] = summarize(base_timings, base_wall)
+    return out
 
 
 async def warm_up(args, run) -> None:
@@ -92,59 +126,78 @@ def headline_level(args) -> int:
 
 
 async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> dict:
+    """One preset alone: its in-process engine (engine path) and, started beside it, the app
+    serving only this preset (app path). Only one of the two works at any time; an idle
+    engine costs ~0.01 core here."""
     preset = config.presets[preset_name]
     model = resolve_model(config.model)
     engine = PresetEngine(preset_name, engine_args(config, preset, model, has_cuda()))
     await engine.start()
     result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
+    server = None
     try:
+        def engine_run(reqs, level):
+            return paths.run_engine(engine, reqs, level, bar)
+
         bar.set_description(f"{preset_name} engine warm-up")
         await warm_up(args, lambda reqs, level: paths.run_engine(engine, reqs, level))
-        result["engine"] = await sweep(
-            args, args.workloads, f"{preset_name} engine", bar,
-            lambda reqs, level: paths.run_engine(engine, reqs, level, bar))
-        if baseline:
-            n = headline_level(args)
-            reqs = WORKLOADS["chat"](max(n, args.min_requests), args.output_len, seed=n)
-            bar.set_description(f"{preset_name} engine baseline (one at a time)")
-            result["engine"]["baseline"] = await paths.run_engine(engine, reqs, 1, bar)
+        result["engine"] = await sweep(args, args.workloads, f"{preset_name} engine", bar,
+                                       engine_run)
+        app_run = None
+        if "app" in args.paths:
+            from tests.chainlit_client import Server
+
+            profiles = single_preset_profiles(Path(config.source), preset_name)
+            profile = next(p.name for p in config.profiles if p.preset == preset_name)
+            kv_gib = config.memory.cpu_kv_cache_gib * preset.memory_share
+            server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
+                             "VCHAT_KV_CACHE_GIB": str(kv_gib),
+                             "VCHAT_MAX_MODEL_LEN": str(engine.max_model_len),
+                             "VCHAT_ENFORCE_EAGER": "1" if engine.engine_args["enforce_eager"]
+                             else "0"}, base_env=ENV_AT_START)
+            bar.set_description(f"{preset_name} app starting")
+            await server.wait_ready()
+
+            def app_run(reqs, level):
+                return paths.run_app(server.url, profile, reqs, level, bar)
+
+            bar.set_description(f"{preset_name} app warm-up")
+            await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs,
+                                                                  level))
+            result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app", bar,
+                                        app_run)
+        if "chat" in args.workloads:
+            head = await headline_runs(
+                args, preset_name, bar, engine_run,
+                app_run if "chat" in args.app_workloads else None,
+                (lambda reqs: paths.drive_engine(engine, reqs, 1, bar)) if baseline else None)
+            key = f"chat@{headline_level(args)}"
+            result["engine"][key] = head["engine"]
+            if "app" in head:
+                result["app"][key] = head["app"]
+                result["app_over_engine_pairs"] = head["app_over_engine"]
+            if "baseline" in head:
+                result["engine"]["baseline"] = head["baseline"]
     finally:
+        if server is not None:
+            server.stop()
         engine.shutdown()
-    if "app" not in args.paths:
-        return result
-
-    from tests.chainlit_client import Server
-
-    profiles = single_preset_profiles(Path(config.source), preset_name)
-    profile = next(p.name for p in config.profiles if p.preset == preset_name)
-    server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
-                     "VCHAT_KV_CACHE_GIB": str(config.memory.cpu_kv_cache_gib * preset.memory_share),
-                     "VCHAT_ENFORCE_EAGER": "1" if engine.engine_args["enforce_eager"] else "0"})
-    try:
-        bar.set_description(f"{preset_name} app starting")
-        await server.wait_ready()
-        bar.set_description(f"{preset_name} app warm-up")
-        await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs, level))
-        result["app"] = await sweep(
-            args, args.app_workloads, f"{preset_name} app", bar,
-            lambda reqs, level: paths.run_app(server.url, profile, reqs, level, bar))
-    finally:
-        server.stop()
     return result
 
 
 def headline(runs: dict, top: int) -> dict:
-    """The figures the issue names, from the raw runs (batching ones on the batching preset)."""
+    """The figures the issue names, from the raw runs (batching ones on the batching preset).
+    app_over_engine is the median of the neighbouring pairs' ratios."""
     main = BATCHING_PRESET if BATCHING_PRESET in runs else next(iter(runs))
     eng = runs[main]["engine"]
     out = {"headline_preset": main}
     if "baseline" in eng and f"chat@{top}" in eng:
         out[f"batching_speedup_{top}"] = round(eng[f"chat@{top}"]["tok_s"] / eng["baseline"]["tok_s"], 2)
     for name, r in runs.items():
-        app, engine = r["app"].get(f"chat@{top}"), r["engine"].get(f"chat@{top}")
-        if app and engine:
+        pairs = r.get("app_over_engine_pairs")
+        if pairs:
             key = f"app_over_engine_{top}" if name == main else f"app_over_engine_{top}_{name}"
-            out[key] = round(app["tok_s"] / engine["tok_s"], 3)
+            out[key] = float(np.median(pairs))
     out["presets"] = {}
     for name, r in runs.items():
         m = r["engine"].get(f"mixed@{top}")
@@ -192,10 +245,9 @@ async def main(args) -> None:
     per_level = sum(max(lv, args.min_requests) for lv in args.levels)
     app_runs = len(args.app_workloads) if "app" in args.paths else 0
     total = per_level * (len(args.workloads) + app_runs) * len(presets)
-    if "chat" in args.workloads or "chat" in args.app_workloads:  # the headline repeats
+    if "chat" in args.workloads:  # the headline runs are repeated, on both paths
         repeated = max(headline_level(args), args.min_requests) * (args.repeats - 1)
-        total += repeated * (("chat" in args.workloads) + ("chat" in args.app_workloads)
-                             * ("app" in args.paths)) * len(presets)
+        total += repeated * (1 + ("app" in args.paths)) * len(presets)
     total += max(HEADLINE_USERS, args.min_requests)  # the baseline
     started = time.monotonic()
     runs = {}

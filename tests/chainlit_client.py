@@ -149,12 +149,12 @@ def free_port() -> int:
 class Server:
     """`chainlit run app.py` in its own process group, as a user would start it."""
 
-    def __init__(self, extra_env: dict | None = None):
+    def __init__(self, extra_env: dict | None = None, base_env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
-        env = {**os.environ, **TEST_ENV, **(extra_env or {})}
+        env = {**(os.environ if base_env is None else base_env), **TEST_ENV, **(extra_env or {})}
         chainlit = Path(sys.executable).parent / "chainlit"
         self.proc = subprocess.Popen(
             [str(chainlit), "run", "app.py", "--headless", "--port", str(self.port)],
