@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test bench lock lock-gpu clean
+.PHONY: setup model run test soak bench lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -20,6 +20,11 @@ run: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The soak test at a larger size than `make test` runs (tests/test_app.py).
+SOAK_TURNS ?= 1000
+soak: model
+	$(PY) -m pytest tests/test_app.py -k soak -s --soak-turns $(SOAK_TURNS)
 
 # Batching and presets on the engine and app paths; writes bench/results/latest.{json,png}.
 bench: model

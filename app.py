@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 
 import chainlit as cl
 from chainlit.config import config as chainlit_config
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from chat.input import check_message
 from chat.session import Conversation
+from chat.shutdown import Shutdown
 from chat.streaming import Coalescer
 from chat.view import dropped_notice, queued_notice, stats_line
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
@@ -36,12 +38,20 @@ STARTING = ("The model is still starting (about half a minute on a CPU). You can
 WITHDRAWN = "*Stopped before the reply began: that message is not part of the conversation.*"
 UNEXPECTED = ("Sorry, something went wrong on our side while answering, and it has been "
               "logged. Your message was not added to the conversation; please send it again.")
+CLOSING = ("The app is restarting or shutting down, so your message was not sent. Please "
+           "send it again in a minute.")
+NOT_ANSWERED = ("The app shut down before your message could be answered; it is not part of "
+                "the conversation. Please send it again in a minute.")
+CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again once it is "
+             "back for a full reply.*")
 STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
             "filler text produced at a set speed to measure the chat layer.")
 # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
 IGNORE_EOS = os.environ.get("VCHAT_BENCH_IGNORE_EOS") == "1"
 # Streamed text goes out at most this often per reply (chat/streaming.py).
 STREAM_INTERVAL_S = int(os.environ.get("VCHAT_STREAM_INTERVAL_MS", "40")) / 1000
+# On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
+SHUTDOWN = Shutdown(float(os.environ.get("VCHAT_SHUTDOWN_GRACE_S", "10")))
 _startup: asyncio.Task | None = None
 
 
@@ -53,6 +63,36 @@ async def start_engines() -> None:
     """Start the engines in the background: the server answers while they load."""
     global _startup
     _startup = asyncio.create_task(ENGINES.start())
+    drain_before_exit(asyncio.get_running_loop())
+
+
+def drain_before_exit(loop: asyncio.AbstractEventLoop) -> None:
+    """Put a drain in front of the server's own SIGTERM/SIGINT handling (uvicorn's, which
+    closes every connection at once): the first signal stops new turns and gives the turns
+    in flight SHUTDOWN.grace_s to finish, then the server stops as before; a second signal
+    stops it at once."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        server_handler = signal.getsignal(sig)
+        if not callable(server_handler):  # not under a server that handles it: leave it
+            continue
+
+        def on_signal(signum, frame, server_handler=server_handler):
+            if SHUTDOWN.closing:
+                server_handler(signum, frame)
+                return
+            SHUTDOWN.closing = True
+            loop.call_soon_threadsafe(
+                lambda: loop.create_task(drain_then(server_handler, signum, frame)))
+
+        signal.signal(sig, on_signal)
+
+
+async def drain_then(server_handler, signum, frame) -> None:
+    finished, cut = await SHUTDOWN.drain()
+    if finished or cut:
+        log.info("stopping: %d turn(s) finished, %d cut short", finished, cut)
+        await asyncio.sleep(0.5)  # let the last messages leave before connections close
+    server_handler(signum, frame)
 
 
 @cl.on_app_shutdown
@@ -84,6 +124,9 @@ async def engines_ready() -> None:
 async def ready() -> JSONResponse:
     """Readiness: 200 once every engine is up, 503 while starting or after a failure."""
     health = await ENGINES.health()
+    health["turns_in_flight"] = SHUTDOWN.turns
+    if SHUTDOWN.closing:
+        health["status"] = "stopping"
     return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
 
 
@@ -176,7 +219,14 @@ async def settings_update(values: dict) -> None:
 
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
-    conv = conversation()
+    if SHUTDOWN.closing:
+        await cl.Message(content=CLOSING).send()
+        return
+    with SHUTDOWN.turn():
+        await take_turn(conversation(), message)
+
+
+async def take_turn(conv: Conversation, message: cl.Message) -> None:
     try:
         checked = check_message(message.content, conv.profile.limits.message_chars)
         conv.begin_turn()
@@ -237,15 +287,17 @@ async def answer(conv: Conversation, text: str) -> None:
             else:
                 await out.add(item)
         await out.close()
-    except asyncio.CancelledError:  # the user pressed Stop: keep what was shown
+    except asyncio.CancelledError:  # Stop, or shutdown's grace ran out: keep what was shown
         out.discard()
         await drop_queue_note()
+        closing = SHUTDOWN.closing
         if not reply.content:  # withdrawn before the reply began: not part of the chat
-            await cl.Message(content=WITHDRAWN).send()
+            await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
             raise
         conv.record(text, reply.content, stopped=True)
-        reply.metadata = {"stopped": True, "profile": conv.profile.name}
-        reply.content += "\n\n*Stopped.*"
+        reply.metadata = {"stopped": True, "profile": conv.profile.name,
+                          "cut_by_shutdown": closing}
+        reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"
         await reply.send()
         raise
     except ChatError as exc:  # EngineBusy (queue full) among them: nothing is recorded

@@ -16,6 +16,16 @@ import pytest  # noqa: E402
 from engine import Engines, load_config  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak-turns", type=int, default=160,
+                     help="turns in the soak test (tests/test_app.py; `make soak` runs 1,000)")
+
+
+@pytest.fixture(scope="session")
+def soak_turns(request) -> int:
+    return request.config.getoption("--soak-turns")
+
+
 @pytest.fixture(scope="session")
 def config():
     return load_config()

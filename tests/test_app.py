@@ -5,8 +5,10 @@ One `chainlit run app.py` server for this module, on the embedded model (eager e
 """
 
 import asyncio
+import math
 import time
 
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
@@ -219,6 +221,30 @@ async def test_many_sessions_connect_at_once(server):
     await asyncio.gather(*[c.close() for c in clients])
 
 
+def server_rss_mb(server) -> float:
+    """Resident memory of the app's own process (the engines are separate processes)."""
+    return psutil.Process(server.proc.pid).memory_info().rss / 2**20
+
+
+async def settled(server, timeout: float = 10) -> dict:
+    """/ready once nothing is admitted, queued, unfinished or in flight (or the last look)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, health = await server.ready_state()
+        busy = health["turns_in_flight"] or any(
+            e["unfinished_requests"] or e["admitted"] or e["queued"]
+            for e in health["engines"].values())
+        if not busy or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.2)
+
+
+def idle(health: dict) -> bool:
+    return health["turns_in_flight"] == 0 and all(
+        e["unfinished_requests"] == e["admitted"] == e["queued"] == 0
+        for e in health["engines"].values())
+
+
 def no_internals(text: str) -> bool:
     return not any(w in text for w in ("Traceback", "Error:", "Exception", 'File "'))
 
@@ -287,8 +313,10 @@ async def test_sixty_four_sessions_sending_at_once_are_all_answered(server, conf
 
 
 async def test_closing_the_browser_mid_reply_aborts_its_request(server):
-    """Many connect-send-disconnect cycles: nothing keeps running for a closed browser."""
-    for round_ in range(3):
+    """Many connect-send-disconnect cycles: nothing keeps running for a closed browser, and
+    the app's memory stays flat."""
+    rss = []
+    for round_ in range(6):
         clients = [await client(server, max_tokens=400) for _ in range(8)]
         starts = [len(c.events) for c in clients]
         for c in clients:
@@ -296,28 +324,77 @@ async def test_closing_the_browser_mid_reply_aborts_its_request(server):
         for c, start in zip(clients, starts):
             await c.wait_for("stream_start", since=start)
         await asyncio.gather(*[c.close() for c in clients])  # mid-reply
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            _, health = await server.ready_state()
-            busy = [e for e in health["engines"].values()
-                    if e["unfinished_requests"] or e["admitted"] or e["queued"]]
-            if not busy:
-                break
-            await asyncio.sleep(0.2)
-        assert not busy, f"round {round_}: still generating for closed browsers: {health}"
+        health = await settled(server)
+        assert idle(health), f"round {round_}: still generating for closed browsers: {health}"
+        rss.append(server_rss_mb(server))
+    print("app memory (MB) after each round of 8 cycles:", [round(x, 1) for x in rss])
+    # After a warm-up round; Chainlit keeps a closed session for `session_timeout` (for a
+    # reconnect), so a few kB per cycle stay until then: 40 cycles may add a few MB at most.
+    assert rss[-1] - rss[0] < 20, f"app memory grew {rss[-1] - rss[0]:.1f} MB in 40 cycles"
+
+
+async def test_soak_no_reply_lost_or_duplicated_and_memory_bounded(server, formatter, config,
+                                                                  soak_turns):
+    """`soak_turns` turns over 32 sessions on both profiles (`--soak-turns N` for more).
+    Every message gets exactly one reply, each session's history holds exactly its turns
+    (checked on the prompt the engine receives), and the app's memory stays bounded."""
+    sessions = 32
+    per_session = math.ceil(soak_turns / sessions)
+    profiles = ["Latency-first", "Throughput-first"]
+    clients = [ChatClient(server.url, profiles[i % 2]) for i in range(sessions)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    await asyncio.gather(*[c.settings(max_tokens=8, show_stats=False) for c in clients])
+    rss = {"start": server_rss_mb(server)}
+    halfway = asyncio.Barrier(sessions)
+
+    async def session(i: int, c: ChatClient) -> list:
+        limit = config.profile(profiles[i % 2]).limits.turns_per_minute
+        sent, kept, reply_ids = [], [], set()
+        for k in range(per_session):
+            if k == per_session // 2 and await halfway.wait() == 0:
+                rss["half"] = server_rss_mb(server)
+            if len(sent) >= limit:  # keep within the per-session rate limit, as people do
+                await asyncio.sleep(max(0.0, sent[-limit] + 60.5 - time.monotonic()))
+            sent.append(time.monotonic())
+            text = f"Soak {i}.{k}: name one colour."
+            r = await c.send(text, timeout=600)
+            assert r.reply is not None, f"session {i} turn {k}: no reply: {r.notes}"
+            assert sum(e.name == "stream_start" for e in r.events) == 1, "one reply per turn"
+            assert all("in line" in n for n in r.notes), r.notes
+            assert r.reply["id"] not in reply_ids
+            reply_ids.add(r.reply["id"])
+            kept.append((text, r.shown))
+        # The history is exactly these turns, once each and in order.
+        system = config.profile(profiles[i % 2]).system_prompt
+        check = await c.send("Soak check.", timeout=600)
+        expected = history_of(kept) + [Message("user", "Soak check.")]
+        assert check.reply["metadata"]["prompt_tokens"] == formatter.count(expected, system)
+        return kept
+
+    started = time.monotonic()
+    kept = await asyncio.gather(*[session(i, c) for i, c in enumerate(clients)])
+    took = time.monotonic() - started
+    rss["end"] = server_rss_mb(server)
+    assert sum(len(k) for k in kept) == sessions * per_session
+    health = await settled(server)
+    assert idle(health), health
+    print(f"soak: {sessions * per_session} turns (+{sessions} checks) over {sessions} "
+          f"sessions in {took:.0f} s; app memory MB: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in rss.items()))
+    assert rss["end"] - rss["half"] < 30, f"app memory grew {rss['end'] - rss['half']:.1f} MB"
+    await asyncio.gather(*[c.close() for c in clients])
 
 
 async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     """Kill the engines' processes mid-turn (last in this module: it restarts them)."""
-    import psutil
-
     c = await client(server, max_tokens=400)
     start = len(c.events)
     await c.emit_message("Write a very long essay about the sea.")
     await c.wait_for("stream_start", since=start)
     cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
              if p.name() == "VLLM::EngineCore"]
-    assert len(cores) == 2
+    old = cores + [p for core in cores for p in core.children(recursive=True)]
+    assert len(cores) == 2 and any(p.name() == "VLLM::Worker" for p in old)
     for p in cores:
         p.kill()
     end = await c.wait_for("task_end", since=start, timeout=60)
@@ -337,4 +414,7 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     assert all(e["restarts"] >= 1 for e in health["engines"].values())
     after = await c.send("Hello again!")
     assert after.reply["metadata"]["output_tokens"] > 0
+    # Nothing of the dead engines lives on: their workers went with them.
+    orphans = [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert orphans == [], f"left over from the dead engines: {orphans}"
     await c.close()

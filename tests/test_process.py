@@ -1,5 +1,6 @@
 """The app as a process: `chainlit run app.py` starts, serves users who arrive during
-start-up, and stops without leaving engine processes behind.
+start-up, and stops gracefully: turns in flight finish within the grace period or are cut
+short with a message, new ones are refused, and no engine process is left behind.
 
 Regression: under `chainlit run` vLLM's spawned engine processes re-imported Chainlit's
 CLI as their main module and died ("WorkerProc failed to start"); see engine/llm.py.
@@ -14,8 +15,12 @@ import psutil
 from tests.chainlit_client import ChatClient, Server
 
 
-async def test_start_serve_during_startup_and_clean_shutdown():
-    server = Server()
+GRACE_S = 6
+
+
+async def test_start_serve_during_startup_and_graceful_shutdown():
+    # Replies run to max_tokens (the benchmark switch), so their lengths are known.
+    server = Server({"VCHAT_SHUTDOWN_GRACE_S": str(GRACE_S), "VCHAT_BENCH_IGNORE_EOS": "1"})
     try:
         await server.wait_http()
         status, health = await server.ready_state()
@@ -31,11 +36,42 @@ async def test_start_serve_during_startup_and_clean_shutdown():
         assert reply.tokens and reply.reply["metadata"]["output_tokens"] > 0
         status, health = await server.ready_state()
         assert status == 200 and health["status"] == "ok"
-        await early.close()
 
         family = psutil.Process(server.proc.pid).children(recursive=True)
         assert len([p for p in family if "VLLM" in " ".join(p.cmdline()) or
                     "EngineCore" in p.name()]) >= 2, "one engine per preset"
+
+        # Stopping with turns in flight: a short reply finishes within the grace period, a
+        # long one is cut short with a message and kept; a message sent meanwhile is refused.
+        short, long_, late = early, ChatClient(server.url, "Latency-first"), \
+            ChatClient(server.url, "Latency-first")
+        await asyncio.gather(long_.connect(), late.connect())
+        await long_.settings(max_tokens=1024)
+        await short.settings(max_tokens=32)
+        starts = [len(c.events) for c in (short, long_)]
+        await long_.emit_message("Tell me a very long story about a lighthouse keeper.")
+        await long_.wait_for("stream_start", since=starts[1], timeout=60)
+        await short.emit_message("Name three colours.")
+        await short.wait_for("stream_start", since=starts[0], timeout=60)
+        server.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+
+        refused = await late.send("Are you still there?", timeout=30)
+        assert refused.reply is None and any("shutting down" in n for n in refused.notes)
+        status, health = await server.ready_state()
+        assert status == 503 and health["status"] == "stopping"
+
+        end = await short.wait_for("task_end", since=starts[0], timeout=GRACE_S + 10)
+        done = short.collect(starts[0], end + 1).reply
+        assert done["metadata"]["output_tokens"] == 32 and "stopped" not in done["metadata"]
+
+        end = await long_.wait_for("task_end", since=starts[1], timeout=GRACE_S + 20)
+        assert time.monotonic() - signalled >= GRACE_S - 1, "cut before the grace period"
+        cut = long_.collect(starts[1], end + 1)
+        assert cut.reply["metadata"]["cut_by_shutdown"] is True
+        assert cut.reply["output"].startswith(cut.shown) and len(cut.shown) > 0
+        assert "Cut short: the app is shutting down" in cut.reply["output"]
+        assert server.proc.wait(60) is not None
     finally:
         code = server.stop(signal.SIGTERM)
     deadline = time.monotonic() + 30
