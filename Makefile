@@ -22,7 +22,7 @@ test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The soak test at a larger size than `make test` runs (tests/test_app.py).
-SOAK_TURNS ?= 1000
+SOAK_TURNS ?= 704
 soak: model
 	$(PY) -m pytest tests/test_app.py -k soak -s --soak-turns $(SOAK_TURNS)
 
