@@ -53,6 +53,7 @@ STREAM_INTERVAL_S = int(os.environ.get("VCHAT_STREAM_INTERVAL_MS", "40")) / 1000
 # On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
 SHUTDOWN = Shutdown(float(os.environ.get("VCHAT_SHUTDOWN_GRACE_S", "10")))
 _startup: asyncio.Task | None = None
+_drain: asyncio.Task | None = None
 
 
 # -- process lifecycle -----------------------------------------------------------------
@@ -81,10 +82,14 @@ def drain_before_exit(loop: asyncio.AbstractEventLoop) -> None:
                 server_handler(signum, frame)
                 return
             SHUTDOWN.closing = True
-            loop.call_soon_threadsafe(
-                lambda: loop.create_task(drain_then(server_handler, signum, frame)))
+            loop.call_soon_threadsafe(start_drain, server_handler, signum, frame)
 
         signal.signal(sig, on_signal)
+
+
+def start_drain(server_handler, signum, frame) -> None:
+    global _drain  # held here: the loop keeps only a weak reference to a task
+    _drain = asyncio.get_running_loop().create_task(drain_then(server_handler, signum, frame))
 
 
 async def drain_then(server_handler, signum, frame) -> None:

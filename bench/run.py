@@ -9,7 +9,8 @@ For each preset, alone on the machine (its engine only, so presets never share c
 Each path starts with a warm-up at the top level. The 32-user chat runs of both paths and
 the baseline (in parts) take turns, --repeats times; the ratios are the medians of
 neighbouring runs' ratios. Then the app layer's own ceiling with the stand-in engine
-(bench/ui_ceiling.py). Writes bench/results/latest.json and latest.png, and prints the headline figures.
+(bench/ui_ceiling.py). Writes bench/results/latest.json and latest.png, and prints the
+headline figures.
 
     .venv/bin/python -m bench.run                                  # what `make bench` runs
     .venv/bin/python -m bench.run --levels 1 4 --min-requests 4 --output-len 16 \
