@@ -70,7 +70,7 @@ async def sweep(args, workloads: list[str], label: str, bar, run) -> dict:
     results = {}
     for workload in workloads:
         for level in levels(args, workload):
-            if (workload, level) == ("chat", headline_level(args)):
+            if (workload, level) == ("chat", headline_level(args)) and interleaved(args):
                 continue
             bar.set_description(f"{label} {workload} x{level}")
             results[f"{workload}@{level}"] = await run(requests(args, workload, level), level)
@@ -141,6 +141,11 @@ async def warm_up(args, run) -> None:
     await run(WORKLOADS["chat"](top, 8, seed=99), top)
 
 
+def interleaved(args) -> bool:
+    """The headline runs take turns (`headline_runs`) when the engine path runs chat."""
+    return "chat" in args.workloads
+
+
 def headline_level(args) -> int:
     return HEADLINE_USERS if HEADLINE_USERS in args.levels else max(args.levels)
 
@@ -186,7 +191,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
                                                                   level))
             result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app", bar,
                                         app_run)
-        if "chat" in args.workloads:
+        if interleaved(args):
             head = await headline_runs(
                 args, preset_name, bar, engine_run,
                 app_run if "chat" in args.app_workloads else None,
@@ -212,12 +217,12 @@ def headline(runs: dict, top: int) -> dict:
     main = BATCHING_PRESET if BATCHING_PRESET in runs else next(iter(runs))
     out = {"headline_preset": main}
     if runs[main].get("batching_speedup_pairs"):
-        out[f"batching_speedup_{top}"] = float(np.median(runs[main]["batching_speedup_pairs"]))
+        out[f"batching_speedup_{top}"] = round(float(np.median(runs[main]["batching_speedup_pairs"])), 2)
     for name, r in runs.items():
         pairs = r.get("app_over_engine_pairs")
         if pairs:
             key = f"app_over_engine_{top}" if name == main else f"app_over_engine_{top}_{name}"
-            out[key] = float(np.median(pairs))
+            out[key] = round(float(np.median(pairs)), 3)
     out["presets"] = {}
     for name, r in runs.items():
         m = r["engine"].get(f"mixed@{top}")
@@ -265,9 +270,9 @@ async def main(args) -> None:
     app_workloads = args.app_workloads if "app" in args.paths else []
     total = len(presets) * sum(max(lv, args.min_requests) for w in args.workloads + app_workloads
                                for lv in levels(args, w))
-    if "chat" in args.workloads:  # the headline runs are repeated, on both paths
+    if interleaved(args):  # the headline runs are repeated, on both paths
         repeated = max(headline_level(args), args.min_requests) * (args.repeats - 1)
-        total += repeated * (1 + ("app" in args.paths)) * len(presets)
+        total += repeated * (1 + ("chat" in app_workloads)) * len(presets)
     total += max(HEADLINE_USERS, args.min_requests)  # the baseline
     started = time.monotonic()
     runs = {}
