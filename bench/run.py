@@ -216,8 +216,9 @@ def headline(runs: dict, top: int) -> dict:
     Both ratios are the median of the ratios of runs neighbouring in time."""
     main = BATCHING_PRESET if BATCHING_PRESET in runs else next(iter(runs))
     out = {"headline_preset": main}
-    if runs[main].get("batching_speedup_pairs"):
-        out[f"batching_speedup_{top}"] = round(float(np.median(runs[main]["batching_speedup_pairs"])), 2)
+    speedups = runs[main].get("batching_speedup_pairs")
+    if speedups:
+        out[f"batching_speedup_{top}"] = round(float(np.median(speedups)), 2)
     for name, r in runs.items():
         pairs = r.get("app_over_engine_pairs")
         if pairs:
