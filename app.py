@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from chat.input import check_message
 from chat.session import Conversation
 from chat.shutdown import Shutdown
-from chat.streaming import Coalescer
+from chat.streaming import Coalescer, Pace
 from chat.view import dropped_notice, queued_notice, stats_line
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 
@@ -48,8 +48,12 @@ STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model
             "filler text produced at a set speed to measure the chat layer.")
 # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
 IGNORE_EOS = os.environ.get("VCHAT_BENCH_IGNORE_EOS") == "1"
-# Streamed text goes out at most this often per reply (chat/streaming.py).
-STREAM_INTERVAL_S = int(os.environ.get("VCHAT_STREAM_INTERVAL_MS", "40")) / 1000
+# Streamed text goes out at most every 40 ms per reply; when many replies stream at once, up
+# to every 200 ms but at most two engine pieces per update (chat/streaming.py). 0: one
+# event per engine delta (benchmarks only).
+_FASTEST_S = int(os.environ.get("VCHAT_STREAM_INTERVAL_MS", "40")) / 1000
+_SLOWEST_S = int(os.environ.get("VCHAT_STREAM_MAX_INTERVAL_MS", "200")) / 1000
+PACE = Pace(_FASTEST_S, _SLOWEST_S if _FASTEST_S > 0 else 0)
 # On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
 SHUTDOWN = Shutdown(float(os.environ.get("VCHAT_SHUTDOWN_GRACE_S", "10")))
 _startup: asyncio.Task | None = None
@@ -264,7 +268,7 @@ async def answer(conv: Conversation, text: str) -> None:
         await cl.Message(content=dropped_notice(fitted.dropped_turns)).send()
 
     reply, stats = cl.Message(content=""), None
-    out = Coalescer(reply.stream_token, STREAM_INTERVAL_S)
+    out = Coalescer(reply.stream_token, pace=PACE)
     queue_note: cl.Message | None = None
 
     async def on_queued(place: int) -> None:  # the engine is full: show where we wait

@@ -3,9 +3,16 @@
 Chainlit sends one Socket.IO event per `stream_token` call. When the engine produces
 tokens faster than a reader can follow (a GPU, or many tokens per step), those events cost
 the server and the browser more than the text is worth. `Coalescer` sends text at most
-once per `interval`: a token that arrives after a quiet spell goes out at once (so a slow
+once per interval: a token that arrives after a quiet spell goes out at once (so a slow
 stream, or the first token, is never held back), tokens that arrive within the interval
 are joined and sent when it ends, by a timer if nothing else arrives.
+
+When many replies stream at once, a `Pace` shared by all of them lets the interval grow
+with their number, but only up to about two of the engine's pieces per update (a fast
+stream keeps the short interval; a slow one sends every other piece). Every event costs
+about the same whatever it carries (a socket write and a wake-up on each side, ~0.1-0.2 ms
+of CPU here), so many slow streams cost as much as a few fast ones, and on a 2-core machine
+that time is taken from the model's threads.
 """
 
 from __future__ import annotations
@@ -16,24 +23,62 @@ from collections.abc import Awaitable, Callable
 
 # 25 updates a second reads as smooth text; fewer start to look like jumps.
 DEFAULT_INTERVAL_S = 0.04
+# At most this long between updates however busy the app is: 5 updates a second still read
+# as a stream (on a CPU at 32 users a stream gets ~10 tokens/s, so 2 tokens per update).
+SLOWEST_INTERVAL_S = 0.2
+# Events per second for all streams together before the interval grows (32 streams: 0.2 s).
+EVENTS_PER_S = 160
+
+
+class Pace:
+    """The longest interval between one reply's updates, from how many replies stream at
+    once: `streams / events_per_s`, kept within [fastest, slowest]. One stream: `fastest`."""
+
+    def __init__(self, fastest: float = DEFAULT_INTERVAL_S,
+                 slowest: float = SLOWEST_INTERVAL_S, events_per_s: float = EVENTS_PER_S):
+        self.fastest, self.slowest = fastest, max(slowest, fastest)
+        self.events_per_s = events_per_s
+        self.streams = 0
+
+    @property
+    def interval(self) -> float:
+        return min(self.slowest, max(self.fastest, self.streams / self.events_per_s))
 
 
 class Coalescer:
-    """Joins streamed text pieces and hands them to `send`, in order, at a bounded rate."""
+    """Joins streamed text pieces and hands them to `send`, in order, at a bounded rate:
+    a fixed `interval`, or one from the shared `pace` (counting this reply from its first
+    piece until `close` or `discard`) but at most twice the last gap between pieces."""
 
     def __init__(self, send: Callable[[str], Awaitable[None]],
-                 interval: float = DEFAULT_INTERVAL_S):
+                 interval: float = DEFAULT_INTERVAL_S, pace: Pace | None = None):
         self._send = send
-        self.interval = interval
+        self._fixed = interval
+        self._pace = pace
+        self._counted = False
+        self._gap, self._last_piece = 0.0, None
         self._pending: list[str] = []
         self._last_sent = float("-inf")
         self._timer: asyncio.TimerHandle | None = None
         self._timed_flush: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # FIFO: pieces go out in the order they came
 
+    @property
+    def interval(self) -> float:
+        if self._pace is None:
+            return self._fixed
+        return min(self._pace.interval, max(self._pace.fastest, 2 * self._gap))
+
     async def add(self, text: str) -> None:
+        now = time.monotonic()
+        if self._last_piece is not None:
+            self._gap = now - self._last_piece
+        self._last_piece = now
+        if self._pace is not None and not self._counted:
+            self._counted = True
+            self._pace.streams += 1
         self._pending.append(text)
-        wait = self._last_sent + self.interval - time.monotonic()
+        wait = self._last_sent + self.interval - now
         if wait <= 0:
             await self.flush()
         elif self._timer is None:
@@ -56,6 +101,7 @@ class Coalescer:
     async def close(self) -> None:
         """Send what is pending and stop the timer: the reply is complete."""
         self._cancel_timer()
+        self._uncount()
         if self._timed_flush is not None:
             await self._timed_flush
         await self.flush()
@@ -63,6 +109,7 @@ class Coalescer:
     def discard(self) -> None:
         """Stop without sending what is pending (the reply was stopped)."""
         self._cancel_timer()
+        self._uncount()
         if self._timed_flush is not None and not self._timed_flush.done():
             self._timed_flush.cancel()
         self._pending.clear()
@@ -71,3 +118,8 @@ class Coalescer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._pace.streams -= 1

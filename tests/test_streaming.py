@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from chat.streaming import Coalescer
+from chat.streaming import Coalescer, Pace
 
 
 class Sink:
@@ -64,3 +64,58 @@ async def test_discard_drops_what_was_not_shown():
     out.discard()
     await asyncio.sleep(0.1)
     assert sink.text == "shown"
+
+
+def test_the_pace_slows_only_when_many_replies_stream_at_once():
+    pace = Pace(fastest=0.04, slowest=0.2, events_per_s=160)
+    intervals = {}
+    for streams in (0, 1, 6, 16, 32, 64):
+        pace.streams = streams
+        intervals[streams] = pace.interval
+    assert intervals == {0: 0.04, 1: 0.04, 6: 0.04, 16: 0.1, 32: 0.2, 64: 0.2}
+    assert Pace(fastest=0, slowest=0).interval == 0, "0 turns coalescing off"
+
+
+async def test_a_reply_counts_on_the_pace_from_its_first_piece_until_it_ends():
+    pace, sink = Pace(), Sink()
+    a, b, c = (Coalescer(sink.send, pace=pace) for _ in range(3))
+    assert pace.streams == 0, "a reply still waiting for its first token does not count"
+    for out in (a, b, c):
+        await out.add("x")
+    assert pace.streams == 3
+    await a.close()
+    b.discard()
+    b.discard()
+    assert pace.streams == 1
+    await c.close()
+    assert pace.streams == 0
+
+
+async def test_with_many_streams_a_slow_stream_sends_two_pieces_an_update():
+    pace = Pace(fastest=0.01, slowest=0.2, events_per_s=100)
+    pace.streams = 20  # others streaming: up to 0.2 s, here twice the 20 ms gap
+    sink = Sink()
+    out = Coalescer(sink.send, pace=pace)
+    pieces = [f"t{i} " for i in range(30)]
+    for p in pieces:  # a piece every 20 ms: each would go out alone at 0.01 s
+        await out.add(p)
+        await asyncio.sleep(0.02)
+    await out.close()
+    assert sink.text == "".join(pieces)
+    assert 12 <= len(sink.sent) <= 19, [t for _, t in sink.sent]
+    assert max(b - a for (a, _), (b, _) in zip(sink.sent, sink.sent[1:])) < 0.1
+
+
+async def test_with_many_streams_a_fast_stream_keeps_the_short_interval():
+    pace = Pace(fastest=0.04, slowest=0.2)
+    pace.streams = 64  # the longest interval allowed: 0.2 s
+    sink = Sink()
+    out = Coalescer(sink.send, pace=pace)
+    started = time.monotonic()
+    while time.monotonic() - started < 0.4:  # ~1,000 pieces/s
+        await out.add("x")
+        await asyncio.sleep(0.001)
+    await out.close()
+    # One update per ~40 ms (about 10), not per 200 ms (about 2): the pieces are small and
+    # many, so holding them longer would only make the text jump.
+    assert len(sink.sent) >= 7, len(sink.sent)

@@ -53,8 +53,9 @@ async def test_a_fast_stream_is_coalesced_into_few_events_and_loses_nothing(serv
 
 @pytest.fixture(scope="module")
 async def small_queue_server(tmp_path_factory):
-    """Latency-first runs 16 turns at once on CPU; here at most 8 more may wait. Turns of
-    40 tokens at 10 tokens/s last 4 s: far longer than 64 messages take to arrive."""
+    """A slow stand-in (10 tokens/s per stream, as a CPU model at 32 users). Latency-first
+    runs 12 turns at once on CPU; here at most 8 more may wait. Turns of 40 tokens last
+    4 s: far longer than 64 messages take to arrive."""
     raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
     raw["presets"]["latency-first"]["max_queued_turns"] = 8
     path = tmp_path_factory.mktemp("profiles") / "profiles.yaml"
@@ -83,11 +84,34 @@ async def test_overload_beyond_the_queue_is_refused_at_once_and_nothing_hangs(
     # Every turn ended one way or the other, clearly; none hung (send() would time out).
     assert len(answered) + len(busy) == 64 and not (set(map(id, answered)) & set(map(id, busy)))
     assert all(o.reply["metadata"]["output_tokens"] == 40 for o in answered)
-    assert len(answered) == gate["max_admitted"] + gate["max_queued"] == 16 + 8
-    assert len(waited) == 8 and len(busy) == 40
+    assert len(answered) == gate["max_admitted"] + gate["max_queued"] == 12 + 8
+    assert len(waited) == 8 and len(busy) == 44
     assert all(o.reply is None for o in busy), "a refused turn gets no reply"
     assert gate["admitted"] == 0 and gate["queued"] == 0
     # Refused users can simply try again.
     retry = await clients[outcomes.index(busy[0])].send("Hello again!")
     assert retry.reply["metadata"]["output_tokens"] == 40
+    await asyncio.gather(*[c.close() for c in clients])
+
+
+async def test_updates_slow_down_only_when_many_replies_stream_at_once(small_queue_server):
+    """chat/streaming.py's Pace: one reply alone gets each token as it comes; with 32 at
+    once (throughput-first, 10 tokens/s each) the app sends every 0.2 s, two tokens an
+    update, which halves the socket events without holding any text back for long."""
+    server = small_queue_server
+    clients = [ChatClient(server.url, "Throughput-first") for _ in range(32)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    await asyncio.gather(*[c.settings(max_tokens=40, show_stats=False) for c in clients])
+    alone = await clients[0].send("Hello!")
+    assert len(alone.tokens) >= 36, f"{len(alone.tokens)} updates for 40 tokens alone"
+    together = await asyncio.gather(*[c.send("Hello!", timeout=120) for c in clients])
+    for reply in together:
+        assert reply.reply["metadata"]["output_tokens"] == 40
+        assert len(reply.shown.split()) == 40, "every token reaches the browser"
+        assert len(reply.tokens) <= 26, f"{len(reply.tokens)} updates for 40 tokens"
+        gaps = [b.at - a.at for a, b in zip(reply.events, reply.events[1:])
+                if b.name == "stream_token"]
+        assert max(gaps) < 0.6, "no text is held back much longer than the interval"
+    again = await clients[0].send("Hello!")
+    assert len(again.tokens) >= 36, "finished replies no longer count as streaming"
     await asyncio.gather(*[c.close() for c in clients])
