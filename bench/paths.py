@@ -37,6 +37,9 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
     Returns the per-request timings and the wall time."""
     queue = list(reversed(requests))
     timings: list[RequestTiming] = []
+    # Every run starts as new conversations would: prompts an earlier run sent (a repeat, or
+    # the baseline's share of the batched run's requests) would otherwise skip their prefill.
+    await engine.llm.reset_prefix_cache()
 
     async def user():
         while queue:

@@ -35,7 +35,15 @@ def targets(result: dict) -> str:
     app = result.get("app_over_engine_32")
     row("app_over_engine_32 (throughput-first)", ">= 0.9",
         median_of(app, main.get("app_over_engine_pairs")), app is not None and app >= 0.9)
-    if fast and big:
+    pairs = result.get("presets_pairs")
+    if pairs:  # medians of neighbouring runs' ratios (interleaved presets)
+        ratio = result["presets_itl_p95_ratio"]
+        row("latency-first ITL p95 / throughput-first's (mixed, 32 users)", "<= 0.8",
+            median_of(ratio, pairs["itl_p95_ratio"]), ratio <= 0.8)
+        ratio = result["presets_tok_s_ratio"]
+        row("throughput-first tok/s / latency-first's (mixed, 32 users)", ">= 1.15",
+            median_of(ratio, pairs["tok_s_ratio"]), ratio >= 1.15)
+    elif fast and big:
         ratio = fast["itl_p95_ms"] / big["itl_p95_ms"]  # judged unrounded
         row("latency-first ITL p95 / throughput-first's (mixed, 32 users)", "<= 0.8",
             f"{ratio:.3f} ({fmt(fast['itl_p95_ms'], 1)} / {fmt(big['itl_p95_ms'], 1)} ms)",
@@ -79,6 +87,10 @@ def render(result: dict) -> str:
                 tok_s = fmt(r["tok_s"])
                 if "repeats_tok_s" in r:  # the median run of several
                     tok_s += " (median of " + " / ".join(fmt(x) for x in r["repeats_tok_s"]) + ")"
+                elif "repeats" in r:  # the presets' interleaved runs
+                    tok_s += " (median run; repeats " + "; ".join(
+                        f"{fmt(x['tok_s'])} tok/s, ITL p95 {fmt(x['itl_p95_ms'], 0)}"
+                        for x in r["repeats"]) + ")"
                 lines.append(
                     f"| {preset} | {path} | {workload} | {users} | {tok_s} "
                     f"| {fmt(r['req_s'], 2)} | {fmt(r['ttft_ms']['p50'], 0)} / "

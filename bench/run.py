@@ -1,16 +1,17 @@
 """`make bench`: batching and presets, measured on the engine path and the app path.
 
-For each preset, alone on the machine (its engine only, so presets never share cores):
+For each preset in turn (only one engine works at any time, so presets never share cores):
   1. engine path: chat and mixed workloads at each concurrency level, straight into engine/;
      for throughput-first (the batching preset) also the baseline: the 32-user chat
      requests served one at a time;
   2. app path: `chainlit run app.py` serving only that preset's profile, the chat workload
      (`--app-workloads` for more) through headless Socket.IO clients.
 Each path starts with a warm-up at the top level. The 32-user chat runs of both paths and
-the baseline (in parts) take turns, --repeats times; the ratios are the medians of
-neighbouring runs' ratios. Then the app layer's own ceiling with the stand-in engine
-(bench/ui_ceiling.py). Writes bench/results/latest.json and latest.png, and prints the
-headline figures.
+the baseline (in parts) take turns, --repeats times (--repeats-other for the presets other
+than the batching one). Then the presets' 32-user mixed runs take turns, --preset-repeats
+times each, with every preset's engine up. The ratios are the medians of neighbouring runs'
+ratios. Last, the app layer's own ceiling with the stand-in engine (bench/ui_ceiling.py).
+Writes bench/results/latest.json and latest.png, and prints the headline figures.
 
     .venv/bin/python -m bench.run                                  # what `make bench` runs
     .venv/bin/python -m bench.run --levels 1 4 --min-requests 4 --output-len 16 \
@@ -64,13 +65,13 @@ def single_preset_profiles(source: Path, preset: str) -> Path:
     return out
 
 
-async def sweep(args, workloads: list[str], label: str, bar, run) -> dict:
+async def sweep(args, workloads: list[str], label: str, bar, run, skip=()) -> dict:
     """Every workload at every concurrency level through `run(requests, level)`, except the
-    headline runs (chat at the headline level): `headline_runs` interleaves those."""
+    (workload, level) runs in `skip`, which are interleaved with others elsewhere."""
     results = {}
     for workload in workloads:
         for level in levels(args, workload):
-            if (workload, level) == ("chat", headline_level(args)) and interleaved(args):
+            if (workload, level) in skip:
                 continue
             bar.set_description(f"{label} {workload} x{level}")
             results[f"{workload}@{level}"] = await run(requests(args, workload, level), level)
@@ -85,26 +86,29 @@ def levels(args, workload: str) -> list[int]:
     return args.levels
 
 
-def requests(args, workload: str, level: int) -> list:
-    return WORKLOADS[workload](max(level, args.min_requests), args.output_len, seed=level)
+def requests(args, workload: str, level: int, repeat: int = 0) -> list:
+    """Each level and each repeat its own prompts: vLLM's prefix cache would skip the prefill
+    of prompts an engine has seen (the app's engine cannot be reset from here)."""
+    return WORKLOADS[workload](max(level, args.min_requests), args.output_len,
+                               seed=level + 1000 * repeat)
 
 
-async def headline_runs(args, label: str, bar, engine_run, app_run, baseline_run) -> dict:
+async def headline_runs(args, repeats: int, label: str, bar, engine_run, app_run,
+                        baseline_run) -> dict:
     """The runs the ratios come from, interleaved in time: engine path, app path and a part
-    of the one-at-a-time baseline in turn, `args.repeats` times. This machine's speed
+    of the one-at-a-time baseline in turn, `repeats` times. This machine's speed
     drifts by 10-20% over minutes (shared hosts), so runs minutes apart are not comparable;
     neighbours in time are. Keeps the median run of each path, every repeat's figure, and
     the app/engine and batched/one-at-a-time ratios of each neighbouring pair."""
     level = headline_level(args)
-    reqs = requests(args, "chat", level)
-    parts = [reqs[i::args.repeats] for i in range(args.repeats)] if baseline_run else []
     runs = {"engine": [], "app": []}
     base_timings, base_wall, speedups = [], 0.0, []
     async def settle():  # let the last run's aftermath (closing sessions) pass first
         await asyncio.sleep(SETTLE_S)
 
-    for i in range(args.repeats):
-        step = f"({i + 1}/{args.repeats})"
+    for i in range(repeats):
+        step = f"({i + 1}/{repeats})"
+        reqs = requests(args, "chat", level, repeat=i)
         bar.set_description(f"{label} engine chat x{level} {step}")
         await settle()
         runs["engine"].append(await engine_run(reqs, level))
@@ -112,10 +116,10 @@ async def headline_runs(args, label: str, bar, engine_run, app_run, baseline_run
             bar.set_description(f"{label} app chat x{level} {step}")
             await settle()
             runs["app"].append(await app_run(reqs, level))
-        if parts:
+        if baseline_run:  # this repeat's share of the requests, one at a time
             bar.set_description(f"{label} engine baseline (one at a time) {step}")
             await settle()
-            timings, wall = await baseline_run(parts[i])
+            timings, wall = await baseline_run(reqs[i::repeats])
             base_timings += timings
             base_wall += wall
             one_by_one = summarize(timings, wall)["tok_s"]
@@ -128,7 +132,7 @@ async def headline_runs(args, label: str, bar, engine_run, app_run, baseline_run
     if runs["app"]:
         out["app_over_engine"] = [round(a["tok_s"] / e["tok_s"], 3)
                                   for a, e in zip(runs["app"], runs["engine"])]
-    if parts:
+    if baseline_run:
         out["baseline"] = summarize(base_timings, base_wall)
         out["batching_speedup"] = speedups
     return out
@@ -146,17 +150,36 @@ def interleaved(args) -> bool:
     return "chat" in args.workloads
 
 
+def presets_interleaved(args, presets: list[str]) -> bool:
+    """The presets' mixed runs at the headline level take turns (`preset_runs`) when more
+    than one preset runs the mixed workload."""
+    return (len(presets) > 1 and "mixed" in args.workloads
+            and headline_level(args) in levels(args, "mixed"))
+
+
+def engine_skip(args, presets: list[str]) -> set:
+    """The engine path's runs that are interleaved with others instead of run in the sweep."""
+    level = headline_level(args)
+    return ({("chat", level)} if interleaved(args) else set()) | (
+        {("mixed", level)} if presets_interleaved(args, presets) else set())
+
+
+def headline_repeats(args, batching: bool) -> int:
+    """The batching preset carries the target figures; the others' app/engine ratio is for
+    information and gets fewer repeats."""
+    return args.repeats if batching else min(args.repeats, args.repeats_other)
+
+
 def headline_level(args) -> int:
     return HEADLINE_USERS if HEADLINE_USERS in args.levels else max(args.levels)
 
 
-async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> dict:
-    """One preset alone: its in-process engine (engine path) and, started beside it, the app
-    serving only this preset (app path). Only one of the two works at any time; an idle
-    engine costs ~0.01 core here."""
+async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
+                       engine: PresetEngine, skip: set) -> dict:
+    """One preset: its in-process engine (engine path) and, started beside it, the app
+    serving only this preset (app path). Only one engine works at any time; an idle
+    engine costs ~0.01 core here. `skip`: the engine path's runs done elsewhere."""
     preset = config.presets[preset_name]
-    model = resolve_model(config.model)
-    engine = PresetEngine(preset_name, engine_args(config, preset, model, has_cuda()))
     await engine.start()
     result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
     server = None
@@ -167,7 +190,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
         bar.set_description(f"{preset_name} engine warm-up")
         await warm_up(args, lambda reqs, level: paths.run_engine(engine, reqs, level))
         result["engine"] = await sweep(args, args.workloads, f"{preset_name} engine", bar,
-                                       engine_run)
+                                       engine_run, skip)
         app_run = None
         if "app" in args.paths:
             from tests.chainlit_client import Server
@@ -190,10 +213,11 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
             await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs,
                                                                   level))
             result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app", bar,
-                                        app_run)
+                                        app_run, {("chat", headline_level(args))}
+                                        if interleaved(args) else set())
         if interleaved(args):
             head = await headline_runs(
-                args, preset_name, bar, engine_run,
+                args, headline_repeats(args, baseline), preset_name, bar, engine_run,
                 app_run if "chat" in args.app_workloads else None,
                 (lambda reqs: paths.drive_engine(engine, reqs, 1, bar)) if baseline else None)
             key = f"chat@{headline_level(args)}"
@@ -207,11 +231,26 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar) -> d
     finally:
         if server is not None:
             server.stop()
-        engine.shutdown()
     return result
 
 
-def headline(runs: dict, top: int) -> dict:
+async def preset_runs(args, engines: dict[str, PresetEngine], bar) -> dict:
+    """The presets' mixed runs at the headline level, taking turns in A B B A order (which
+    also cancels a steady drift) `args.preset_repeats` times each, with all engines up and
+    one working. The presets' ratios are the medians of the neighbouring runs' ratios."""
+    level = headline_level(args)
+    names = list(engines)
+    done: dict[str, list] = {n: [] for n in names}
+    for i in range(args.preset_repeats):
+        reqs = requests(args, "mixed", level, repeat=i)
+        for name in (names if i % 2 == 0 else names[::-1]):
+            bar.set_description(f"{name} engine mixed x{level} ({i + 1}/{args.preset_repeats})")
+            await asyncio.sleep(SETTLE_S)
+            done[name].append(await paths.run_engine(engines[name], reqs, level, bar))
+    return done
+
+
+def headline(runs: dict, top: int, presets_pairs: dict | None = None) -> dict:
     """The figures the issue names, from the raw runs (batching ones on the batching preset).
     Both ratios are the median of the ratios of runs neighbouring in time."""
     main = BATCHING_PRESET if BATCHING_PRESET in runs else next(iter(runs))
@@ -227,12 +266,38 @@ def headline(runs: dict, top: int) -> dict:
     out["presets"] = {}
     for name, r in runs.items():
         m = r["engine"].get(f"mixed@{top}")
-        if m:
-            out["presets"][name] = {"tok_s": m["tok_s"], "ttft_p50_ms": m["ttft_ms"]["p50"],
-                                    "ttft_p95_ms": m["ttft_ms"]["p95"],
-                                    "itl_p50_ms": m["itl_ms"]["p50"],
-                                    "itl_p95_ms": m["itl_ms"]["p95"]}
+        if m:  # each figure the median over the repeats, if the run was repeated
+            figures = m["repeats"] if "repeats" in m else [preset_figures(m)]
+            out["presets"][name] = {k: round(float(np.median([f[k] for f in figures])), 2)
+                                    for k in figures[0]}
+    if presets_pairs:  # neighbouring runs' ratios (keep_preset_runs), their medians
+        out["presets_itl_p95_ratio"] = round(float(np.median(presets_pairs["itl_p95_ratio"])), 3)
+        out["presets_tok_s_ratio"] = round(float(np.median(presets_pairs["tok_s_ratio"])), 3)
+        out["presets_pairs"] = presets_pairs
     return out
+
+
+def preset_figures(run: dict) -> dict:
+    return {"tok_s": run["tok_s"], "ttft_p50_ms": run["ttft_ms"]["p50"],
+            "ttft_p95_ms": run["ttft_ms"]["p95"], "itl_p50_ms": run["itl_ms"]["p50"],
+            "itl_p95_ms": run["itl_ms"]["p95"]}
+
+
+def keep_preset_runs(runs: dict, done: dict[str, list], top: int) -> dict | None:
+    """Store the interleaved mixed runs: per preset the median run (by tokens/s) with every
+    repeat's figures; for latency-first and throughput-first, each neighbouring pair's
+    ITL p95 ratio (latency-first's over throughput-first's) and tokens/s ratio (the other
+    way round)."""
+    for name, repeats in done.items():
+        kept = sorted(repeats, key=lambda r: r["tok_s"])[len(repeats) // 2]
+        runs[name]["engine"][f"mixed@{top}"] = {
+            **kept, "repeats": [preset_figures(r) for r in repeats]}
+    fast, big = done.get("latency-first"), done.get("throughput-first")
+    if not (fast and big):
+        return None
+    return {"itl_p95_ratio": [round(f["itl_ms"]["p95"] / b["itl_ms"]["p95"], 3)
+                              for f, b in zip(fast, big)],
+            "tok_s_ratio": [round(b["tok_s"] / f["tok_s"], 3) for f, b in zip(fast, big)]}
 
 
 def plot(runs: dict, levels: list[int], path: Path) -> None:
@@ -271,26 +336,38 @@ async def main(args) -> None:
     app_workloads = args.app_workloads if "app" in args.paths else []
     total = len(presets) * sum(max(lv, args.min_requests) for w in args.workloads + app_workloads
                                for lv in levels(args, w))
-    if interleaved(args):  # the headline runs are repeated, on both paths
-        repeated = max(headline_level(args), args.min_requests) * (args.repeats - 1)
-        total += repeated * (1 + ("chat" in app_workloads)) * len(presets)
-    total += max(HEADLINE_USERS, args.min_requests)  # the baseline
+    top = headline_level(args)
+    batching = BATCHING_PRESET if BATCHING_PRESET in presets else presets[0]
+    if interleaved(args):  # the headline runs are repeated, on both paths; the baseline
+        total += sum(max(top, args.min_requests) * (headline_repeats(args, name == batching) - 1)
+                     * (1 + ("chat" in app_workloads)) for name in presets)
+        total += max(top, args.min_requests)
+    if presets_interleaved(args, presets):
+        total += max(top, args.min_requests) * (args.preset_repeats - 1) * len(presets)
     started = time.monotonic()
-    runs = {}
+    runs, engines, presets_pairs = {}, {}, None
+    model = resolve_model(config.model)
     with tqdm(total=total, unit="req") as bar:
-        for name in presets:
-            batching = name == BATCHING_PRESET or (BATCHING_PRESET not in presets
-                                                   and name == presets[0])
-            runs[name] = await bench_preset(args, config, name, baseline=batching, bar=bar)
+        try:
+            for name in presets:
+                engines[name] = PresetEngine(name, engine_args(config, config.presets[name],
+                                                               model, has_cuda()))
+                runs[name] = await bench_preset(args, config, name, name == batching, bar,
+                                                engines[name], engine_skip(args, presets))
+            if presets_interleaved(args, presets):
+                presets_pairs = keep_preset_runs(runs, await preset_runs(args, engines, bar),
+                                                 top)
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
         ceiling = None
         if not args.skip_ui_ceiling:
             from bench.ui_ceiling import ceiling_runs
 
             bar.set_description("app layer ceiling (stand-in engine)")
             ceiling = await ceiling_runs()
-    top = headline_level(args)
     result = {
-        **headline(runs, top),
+        **headline(runs, top, presets_pairs),
         "ui_ceiling": ceiling,
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
                     "gpu": has_cuda(), "python": platform.python_version()},
@@ -299,7 +376,9 @@ async def main(args) -> None:
         "settings": {"levels": args.levels, "workloads": args.workloads,
                      "app_workloads": args.app_workloads,
                      "output_len": args.output_len, "min_requests": args.min_requests,
-                     "repeats": args.repeats, "mixed_max_users": args.mixed_max_users},
+                     "repeats": args.repeats, "repeats_other": args.repeats_other,
+                     "preset_repeats": args.preset_repeats,
+                     "mixed_max_users": args.mixed_max_users},
         "duration_s": round(time.monotonic() - started, 1),
         "runs": runs,
     }
@@ -328,6 +407,12 @@ if __name__ == "__main__":
                         help="highest concurrency level for the mixed workload")
     parser.add_argument("--repeats", type=int, default=5,
                         help="runs of the headline level (chat, 32 users); the median is kept")
-    parser.add_argument("--min-requests", type=int, default=6,
+    parser.add_argument("--repeats-other", type=int, default=3,
+                        help="the same for the other presets (their app/engine ratio is "
+                             "for information)")
+    parser.add_argument("--preset-repeats", type=int, default=2,
+                        help="runs per preset of the mixed workload at the headline level, "
+                             "taking turns between the presets")
+    parser.add_argument("--min-requests", type=int, default=4,
                         help="requests per run at least (low levels would be too noisy)")
     asyncio.run(main(parser.parse_args()))

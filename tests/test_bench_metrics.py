@@ -1,6 +1,9 @@
-"""The benchmark's metric definitions (vLLM's), on hand-made timings."""
+"""The benchmark's metric definitions (vLLM's) and its headline figures, on hand-made
+timings and runs."""
 
 from bench.metrics import RequestTiming, summarize
+from bench.report import targets
+from bench.run import headline, keep_preset_runs
 from bench.workloads import chat, mixed
 
 
@@ -26,3 +29,25 @@ def test_workloads_are_seeded_and_mixed_has_long_prompts():
     assert all((0.5 <= r.delay_s <= 3.0) == r.long for r in reqs)
     assert all(r.output_len == 16 for r in reqs)
     assert len(reqs[3].prompt) > 10 * len(reqs[0].prompt)
+
+
+def run(tok_s: float, itl_p95: float) -> dict:
+    return {"tok_s": tok_s, "ttft_ms": {"p50": 1.0, "p95": 2.0},
+            "itl_ms": {"p50": itl_p95 / 2, "p95": itl_p95}}
+
+
+def test_presets_are_compared_by_neighbouring_runs_and_medians():
+    # The host slows down between the two repeats: absolute figures drift, ratios do not.
+    done = {"latency-first": [run(40.0, 100.0), run(30.0, 148.5)],
+            "throughput-first": [run(80.0, 160.0), run(60.0, 220.0)]}
+    runs = {name: {"engine": {}} for name in done}
+    pairs = keep_preset_runs(runs, done, 32)
+    assert pairs == {"itl_p95_ratio": [0.625, 0.675], "tok_s_ratio": [2.0, 2.0]}
+    result = headline(runs, 32, pairs)
+    assert result["presets_itl_p95_ratio"] == 0.65 and result["presets_tok_s_ratio"] == 2.0
+    # Per preset, each figure is the median over the repeats.
+    assert result["presets"]["latency-first"]["tok_s"] == 35.0
+    assert result["presets"]["throughput-first"]["itl_p95_ms"] == 190.0
+    table = targets(result)
+    assert "| 0.65 (median of 0.625 / 0.675) | yes |" in table
+    assert "| 2.0 (median of 2.0 / 2.0) | yes |" in table
