@@ -16,8 +16,6 @@ def fmt(value, digits=1) -> str:
 
 def targets(result: dict) -> str:
     """The issue's targets against this run's figures."""
-    presets = result.get("presets") or {}
-    fast, big = presets.get("latency-first"), presets.get("throughput-first")
     rows = []
 
     def row(name, target, value, holds):
@@ -43,14 +41,6 @@ def targets(result: dict) -> str:
         ratio = result["presets_tok_s_ratio"]
         row("throughput-first tok/s / latency-first's (mixed, 32 users)", ">= 1.15",
             median_of(ratio, pairs["tok_s_ratio"]), ratio >= 1.15)
-    elif fast and big:
-        ratio = fast["itl_p95_ms"] / big["itl_p95_ms"]  # judged unrounded
-        row("latency-first ITL p95 / throughput-first's (mixed, 32 users)", "<= 0.8",
-            f"{ratio:.3f} ({fmt(fast['itl_p95_ms'], 1)} / {fmt(big['itl_p95_ms'], 1)} ms)",
-            ratio <= 0.8)
-        ratio = big["tok_s"] / fast["tok_s"]
-        row("throughput-first tok/s / latency-first's (mixed, 32 users)", ">= 1.15",
-            f"{ratio:.2f} ({fmt(big['tok_s'])} / {fmt(fast['tok_s'])})", ratio >= 1.15)
     ceiling = (result.get("ui_ceiling") or {}).get("coalesced")
     if ceiling:
         row(f"app layer ceiling, stand-in engine, {ceiling['sessions']} sessions (tok/s)",

@@ -127,8 +127,7 @@ async def headline_runs(args, repeats: int, label: str, bar, engine_run, app_run
     out = {}
     for route, done in runs.items():
         if done:
-            kept = sorted(done, key=lambda r: r["tok_s"])[len(done) // 2]
-            out[route] = {**kept, "repeats_tok_s": [r["tok_s"] for r in done]}
+            out[route] = {**median_run(done), "repeats_tok_s": [r["tok_s"] for r in done]}
     if runs["app"]:
         out["app_over_engine"] = [round(a["tok_s"] / e["tok_s"], 3)
                                   for a, e in zip(runs["app"], runs["engine"])]
@@ -157,11 +156,20 @@ def presets_interleaved(args, presets: list[str]) -> bool:
             and headline_level(args) in levels(args, "mixed"))
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the upper middle one of an even number)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+
+
+def headline_skip(args) -> set:
+    """The chat run at the headline level, when `headline_runs` interleaves it instead."""
+    return {("chat", headline_level(args))} if interleaved(args) else set()
+
+
 def engine_skip(args, presets: list[str]) -> set:
     """The engine path's runs that are interleaved with others instead of run in the sweep."""
-    level = headline_level(args)
-    return ({("chat", level)} if interleaved(args) else set()) | (
-        {("mixed", level)} if presets_interleaved(args, presets) else set())
+    mixed = {("mixed", headline_level(args))} if presets_interleaved(args, presets) else set()
+    return headline_skip(args) | mixed
 
 
 def headline_repeats(args, batching: bool) -> int:
@@ -213,8 +221,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
             await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs,
                                                                   level))
             result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app", bar,
-                                        app_run, {("chat", headline_level(args))}
-                                        if interleaved(args) else set())
+                                        app_run, headline_skip(args))
         if interleaved(args):
             head = await headline_runs(
                 args, headline_repeats(args, baseline), preset_name, bar, engine_run,
@@ -289,9 +296,8 @@ def keep_preset_runs(runs: dict, done: dict[str, list], top: int) -> dict | None
     ITL p95 ratio (latency-first's over throughput-first's) and tokens/s ratio (the other
     way round)."""
     for name, repeats in done.items():
-        kept = sorted(repeats, key=lambda r: r["tok_s"])[len(repeats) // 2]
         runs[name]["engine"][f"mixed@{top}"] = {
-            **kept, "repeats": [preset_figures(r) for r in repeats]}
+            **median_run(repeats), "repeats": [preset_figures(r) for r in repeats]}
     fast, big = done.get("latency-first"), done.get("throughput-first")
     if not (fast and big):
         return None
