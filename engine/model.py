@@ -46,6 +46,29 @@ def has_cuda() -> bool:
     return current_platform.is_cuda()
 
 
+def cpu_dtype(flags: frozenset[str] | None = None) -> str:
+    """The model's dtype without a GPU (unless profiles.yaml sets `dtype`). Measured on 2
+    cores of an AVX-512 Xeon that has AVX512-FP16 but no AMX (BENCHMARKS.md): float16 gave
+    ~15% more tokens/s than float32, for one stream and for 32 (a step reads half the
+    weight bytes, and oneDNN multiplies float16 there as fast as float32), with the same
+    greedy replies; bfloat16 was slower than both at 32 streams. CPUs without AVX512-FP16,
+    or with AMX (where bfloat16 has its own kernels), keep float32: not measured here."""
+    flags = cpu_flags() if flags is None else flags
+    return "float16" if "avx512_fp16" in flags and "amx_tile" not in flags else "float32"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
 def resolve_model(setting: str) -> str:
     """Turn the configured model (`auto`, a hub id or a folder) into what vLLM loads."""
     if setting == "auto":

@@ -24,7 +24,7 @@ from .config import Config, Preset
 from .errors import ConfigError, EngineUnavailable
 from .history import Fitted, fit_history
 from .llm import PresetEngine
-from .model import check_hub_model, has_cuda, resolve_model
+from .model import check_hub_model, cpu_dtype, has_cuda, resolve_model
 from .standin import StandInEngine
 from .stats import TurnStats
 
@@ -41,8 +41,8 @@ def engine_args(config: Config, preset: Preset, model: str, gpu: bool) -> dict:
     args = {**config.vllm, **preset.options(gpu), "model": model}
     # Compilation pays off on a GPU; on CPU it quadruples start-up for ~11% (BENCHMARKS.md).
     args.setdefault("enforce_eager", not gpu)
-    # On CPUs without AMX, vLLM's float32 path beats bfloat16 at load (BENCHMARKS.md).
-    args.setdefault("dtype", "auto" if gpu else "float32")
+    # Without a GPU the dtype follows the CPU's features (model.cpu_dtype, BENCHMARKS.md).
+    args.setdefault("dtype", "auto" if gpu else cpu_dtype())
     if gpu:
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
     else:

@@ -116,13 +116,14 @@ def test_check_command_prints_a_clean_error_not_a_traceback(tmp_path):
 
 
 def test_engine_args_split_memory_and_pick_eager_mode_per_device():
+    from engine.model import cpu_dtype
     from engine.pool import GIB, engine_args
 
     config = load_config(ROOT / "profiles.yaml", env={})
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     cpu = engine_args(config, fast, "/m", gpu=False)
     assert cpu["model"] == "/m" and cpu["enforce_eager"] is True
-    assert cpu["dtype"] == "float32"
+    assert cpu["dtype"] == cpu_dtype()  # this CPU's pick (test below)
     assert cpu["kv_cache_memory_bytes"] == int(config.memory.cpu_kv_cache_gib * 0.5 * GIB)
     assert cpu["max_num_batched_tokens"] == fast.vllm_cpu["max_num_batched_tokens"]
     gpu = [engine_args(config, p, "/m", gpu=True) for p in (fast, big)]
@@ -132,6 +133,21 @@ def test_engine_args_split_memory_and_pick_eager_mode_per_device():
     assert sum(a["gpu_memory_utilization"] for a in gpu) <= config.memory.gpu_memory_utilization
     forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
     assert engine_args(forced, fast, "/m", gpu=False)["enforce_eager"] is False
+
+
+def test_without_a_gpu_the_dtype_follows_the_cpu_and_profiles_yaml_can_set_it(tmp_path):
+    from engine.model import cpu_dtype
+    from engine.pool import engine_args
+
+    # float16 only where it was measured to win: AVX512-FP16 without AMX.
+    assert cpu_dtype(frozenset({"avx512f", "avx512_bf16", "avx512_fp16"})) == "float16"
+    assert cpu_dtype(frozenset({"avx512f", "avx512_fp16", "amx_tile", "amx_bf16"})) == "float32"
+    assert cpu_dtype(frozenset({"avx2", "fma"})) == "float32"
+    assert cpu_dtype(frozenset()) == "float32"  # no /proc/cpuinfo: the safe choice
+    path = write(tmp_path, mutated(lambda d: d["vllm"].update(dtype="bfloat16")))
+    config = load_config(path, env={})
+    for preset in config.presets.values():
+        assert engine_args(config, preset, "/m", gpu=False)["dtype"] == "bfloat16"
 
 
 def test_small_cpus_give_every_core_to_the_model_unless_the_operator_decides():

@@ -133,13 +133,42 @@ async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config)
     assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
-async def test_without_a_gpu_the_model_runs_in_float32_on_every_core(engines):
+async def test_without_a_gpu_the_model_runs_in_the_cpus_dtype_on_every_core(engines):
     import os
 
+    from engine.model import cpu_dtype
+
     engine = engines.for_profile("Throughput-first")
-    assert str(engine.llm.model_config.dtype) == "torch.float32"
+    assert str(engine.llm.model_config.dtype) == f"torch.{cpu_dtype()}"
     if len(os.sched_getaffinity(0)) <= 4:  # small machine (CI has 2 cores)
         assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == "0"  # the workers inherit it
+
+
+async def test_float16_and_float32_give_the_embedded_model_the_same_greedy_replies(engines):
+    """float16 is the CPU default only because it is faster with the same replies
+    (model.cpu_dtype): a second engine in the other dtype must answer token for token alike."""
+    from engine.llm import PresetEngine
+
+    ours = engines.for_profile("Throughput-first")
+    dtype = str(ours.llm.model_config.dtype).removeprefix("torch.")
+    other = PresetEngine("other-dtype", {
+        **ours.engine_args, "dtype": "float32" if dtype == "float16" else "float16",
+        "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4})
+    await other.start()
+    try:
+        assert {str(e.llm.model_config.dtype) for e in (ours, other)} == {
+            "torch.float16", "torch.float32"}
+        for prompt in ("Name three colours.", "What is the capital of France?",
+                       "Write a haiku about a server room at night."):
+            messages = [{"role": "user", "content": prompt}]
+            replies = []
+            for engine in (ours, other):
+                items = [x async for x in engine.stream(messages, temperature=0.0,
+                                                        max_tokens=48)]
+                replies.append("".join(x for x in items if isinstance(x, str)))
+            assert replies[0] and replies[0] == replies[1], prompt
+    finally:
+        other.shutdown()
 
 
 async def test_profiles_route_to_their_presets_engine(engines):
