@@ -11,15 +11,20 @@ from engine.pool import GIB
 HELLO = [{"role": "user", "content": "Name three colours."}]
 
 
-async def run_turn(engines, profile="Latency-first", messages=HELLO, **kw):
-    """Collect one turn: (joined text, deltas, stats)."""
+async def collect(stream):
+    """Collect one turn's stream: (joined text, deltas, stats)."""
     deltas, stats = [], None
-    async for item in engines.stream(messages, profile, **kw):
+    async for item in stream:
         if isinstance(item, TurnStats):
             stats = item
         else:
             deltas.append(item)
     return "".join(deltas), deltas, stats
+
+
+async def run_turn(engines, profile="Latency-first", messages=HELLO, **kw):
+    """One turn through the engines' public surface."""
+    return await collect(engines.stream(messages, profile, **kw))
 
 
 async def wait_idle(engine, timeout=5.0):
@@ -161,11 +166,9 @@ async def test_float16_and_float32_give_the_embedded_model_the_same_greedy_repli
         for prompt in ("Name three colours.", "What is the capital of France?",
                        "Write a haiku about a server room at night."):
             messages = [{"role": "user", "content": prompt}]
-            replies = []
-            for engine in (ours, other):
-                items = [x async for x in engine.stream(messages, temperature=0.0,
-                                                        max_tokens=48)]
-                replies.append("".join(x for x in items if isinstance(x, str)))
+            replies = [(await collect(engine.stream(messages, temperature=0.0,
+                                                    max_tokens=48)))[0]
+                       for engine in (ours, other)]
             assert replies[0] and replies[0] == replies[1], prompt
     finally:
         other.shutdown()
