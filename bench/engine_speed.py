@@ -11,10 +11,12 @@ import argparse
 import asyncio
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
-from engine import TurnStats, load_config
+from bench.cli import whole_number
+from engine import ChatError, TurnStats, load_config
 from engine.llm import PresetEngine
 from engine.model import has_cuda, resolve_model
 from engine.pool import engine_args
@@ -37,8 +39,7 @@ async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
             "tok_s": round(out / wall, 1)}
 
 
-async def main(args) -> None:
-    config = load_config()
+async def main(args, config) -> None:
     overrides = {"enforce_eager": args.eager}
     preset = config.presets[args.preset]
     model = resolve_model(config.model)
@@ -66,7 +67,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="throughput-first")
     parser.add_argument("--eager", action="store_true", help="skip torch.compile")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--tokens", type=whole_number, default=128)
+    parser.add_argument("--streams", type=whole_number, nargs="+", default=[1, 32])
     parser.add_argument("--out", help="also write the figures (JSON) to this file")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    try:
+        config = load_config()
+        if args.preset not in config.presets:
+            parser.error(f"--preset: no preset {args.preset!r} in {config.source}; "
+                         f"it has {', '.join(config.presets)}")
+        asyncio.run(main(args, config))
+    except ChatError as exc:  # the profiles file, the model, an engine that failed
+        sys.exit(f"error: {exc}")

@@ -20,7 +20,6 @@ Writes bench/results/latest.json and latest.png, and prints the headline figures
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -35,9 +34,10 @@ import yaml
 from tqdm import tqdm
 
 from bench import paths
+from bench.cli import parse_args
 from bench.metrics import summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
-from engine import load_config
+from engine import ChatError, load_config
 from engine.llm import PresetEngine
 from engine.model import has_cuda, resolve_model
 from engine.pool import engine_args
@@ -336,8 +336,7 @@ def plot(runs: dict, levels: list[int], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main(args) -> None:
-    config = load_config()
+async def main(args, config) -> None:
     presets = args.presets or [p.name for p in config.used_presets()]
     app_workloads = args.app_workloads if "app" in args.paths else []
     total = len(presets) * sum(max(lv, args.min_requests) for w in args.workloads + app_workloads
@@ -395,30 +394,8 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="*")
-    parser.add_argument("--paths", nargs="+", default=["engine", "app"],
-                        choices=["engine", "app"])
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    parser.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
-                        choices=sorted(WORKLOADS), help="engine path workloads")
-    parser.add_argument("--app-workloads", nargs="+", default=["chat"],
-                        choices=sorted(WORKLOADS), help="app path workloads")
-    parser.add_argument("--skip-ui-ceiling", action="store_true",
-                        help="leave out the stand-in engine run of the app layer")
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--name", default="latest",
-                        help="results file name in bench/results (without extension)")
-    parser.add_argument("--mixed-max-users", type=int, default=32,
-                        help="highest concurrency level for the mixed workload")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="runs of the headline level (chat, 32 users); the median is kept")
-    parser.add_argument("--repeats-other", type=int, default=3,
-                        help="the same for the other presets (their app/engine ratio is "
-                             "for information)")
-    parser.add_argument("--preset-repeats", type=int, default=2,
-                        help="runs per preset of the mixed workload at the headline level, "
-                             "taking turns between the presets")
-    parser.add_argument("--min-requests", type=int, default=4,
-                        help="requests per run at least (low levels would be too noisy)")
-    asyncio.run(main(parser.parse_args()))
+    try:
+        config = load_config()
+        asyncio.run(main(parse_args(sys.argv[1:], config, __doc__.splitlines()[0]), config))
+    except ChatError as exc:  # the profiles file, the model, an engine that failed
+        sys.exit(f"error: {exc}")

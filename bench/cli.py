@@ -1,0 +1,70 @@
+"""The command line of `make bench` (bench/run.py): its options, checked before anything
+starts, so a mistyped option costs a clear message, not a traceback minutes into a run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.workloads import WORKLOADS
+
+
+def whole_number(text: str) -> int:
+    """An option's value that counts something: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: at least 1")
+    return value
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--presets", nargs="*", help="presets to measure (default: those in use)")
+    p.add_argument("--paths", nargs="+", default=["engine", "app"], choices=["engine", "app"])
+    p.add_argument("--levels", type=whole_number, nargs="+", default=[1, 4, 16, 32, 64],
+                   help="concurrent users")
+    p.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
+                   choices=sorted(WORKLOADS), help="engine path workloads")
+    p.add_argument("--app-workloads", nargs="+", default=["chat"],
+                   choices=sorted(WORKLOADS), help="app path workloads")
+    p.add_argument("--skip-ui-ceiling", action="store_true",
+                   help="leave out the stand-in engine run of the app layer")
+    p.add_argument("--output-len", type=whole_number, default=64)
+    p.add_argument("--name", default="latest",
+                   help="results file name in bench/results (without extension)")
+    p.add_argument("--mixed-max-users", type=whole_number, default=32,
+                   help="highest concurrency level for the mixed workload")
+    p.add_argument("--repeats", type=whole_number, default=5,
+                   help="runs of the headline level (chat, 32 users); the median is kept")
+    p.add_argument("--repeats-other", type=whole_number, default=3,
+                   help="the same for the other presets (their app/engine ratio is "
+                        "for information)")
+    p.add_argument("--preset-repeats", type=whole_number, default=2,
+                   help="runs per preset of the mixed workload at the headline level, "
+                        "taking turns between the presets")
+    p.add_argument("--min-requests", type=whole_number, default=4,
+                   help="requests per run at least (low levels would be too noisy)")
+    return p
+
+
+def parse_args(argv: list[str], config, description: str = "") -> argparse.Namespace:
+    """The options in `argv`, checked against each other and against `config`'s presets;
+    exits with status 2 and a one-line reason otherwise (argparse's way)."""
+    p = parser(description)
+    args = p.parse_args(argv)
+    known = [preset.name for preset in config.used_presets()]  # those the app can serve
+    for name in args.presets or []:
+        if name not in known:
+            p.error(f"--presets: no profile in {config.source} uses a preset {name!r}; "
+                    f"those in use: {', '.join(known)}")
+    if args.presets == []:
+        p.error("--presets: name at least one preset, or leave the option out")
+    if Path(args.name).name != args.name or args.name in (".", ".."):
+        p.error(f"--name: {args.name!r} must be a plain file name (results go to bench/results)")
+    if "mixed" in args.workloads and not any(lv <= args.mixed_max_users for lv in args.levels):
+        p.error(f"--mixed-max-users {args.mixed_max_users}: below every level in --levels, "
+                "so the mixed workload would not run at all")
+    return args

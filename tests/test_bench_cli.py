@@ -1,0 +1,66 @@
+"""`make bench`'s command line refuses bad options at once, with a reason and no traceback.
+
+Before bench/cli.py, `--repeats 0` ran for minutes and then failed on an empty list, and a
+misspelt `--presets` name ended in a KeyError traceback.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.cli import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def refused(config, capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        parse_args(list(argv), config)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_are_what_make_bench_runs(config):
+    args = parse_args([], config)
+    assert args.presets is None and args.paths == ["engine", "app"]
+    assert args.levels == [1, 4, 16, 32, 64] and args.repeats == 5 and args.name == "latest"
+    args = parse_args(["--presets", "latency-first", "--levels", "1", "4", "--name", "smoke"],
+                      config)
+    assert args.presets == ["latency-first"] and args.levels == [1, 4]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--repeats", "0"], "--repeats: 0 is too small: at least 1"),
+    (["--preset-repeats", "-1"], "--preset-repeats: -1 is too small"),
+    (["--levels", "4", "many"], "--levels: 'many' is not a whole number"),
+    (["--output-len", "0"], "--output-len: 0 is too small"),
+    (["--presets", "fast"], "no profile in"),
+    (["--presets"], "name at least one preset"),
+    (["--name", "../elsewhere"], "must be a plain file name"),
+    (["--levels", "64", "--mixed-max-users", "8"], "the mixed workload would not run"),
+])
+def test_bad_options_are_refused_with_the_reason(config, capsys, argv, words):
+    err = refused(config, capsys, *argv)
+    assert words in err
+    if argv[0] == "--presets" and len(argv) > 1:
+        assert "latency-first, throughput-first" in err  # the presets one can pick
+
+
+def test_the_real_commands_fail_cleanly(tmp_path):
+    """The entry point `make bench` calls (a bad option, a missing profiles file), and
+    bench/engine_speed.py's (an unknown preset)."""
+    bad_option = subprocess.run([sys.executable, "-m", "bench.run", "--levels", "0"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+    no_preset = subprocess.run([sys.executable, "-m", "bench.engine_speed", "--preset", "x"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    no_file = subprocess.run([sys.executable, "-m", "bench.run"], cwd=ROOT,
+                             env={**os.environ, "VCHAT_PROFILES": str(tmp_path / "none.yaml")},
+                             capture_output=True, text=True, timeout=120)
+    for done in (bad_option, no_file, no_preset):
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "--levels: 0 is too small" in bad_option.stderr
+    assert "error:" in no_file.stderr and "none.yaml" in no_file.stderr
+    assert no_preset.returncode == 2 and "no preset 'x'" in no_preset.stderr
