@@ -20,6 +20,7 @@ import time
 import psutil
 
 from bench import paths
+from bench.cli import whole_number
 from bench.workloads import chat
 from tests.chainlit_client import Server
 
@@ -79,8 +80,8 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=1000, help="tokens per reply")
+    parser.add_argument("--sessions", type=whole_number, default=64)
+    parser.add_argument("--tokens", type=whole_number, default=1000, help="tokens per reply")
     parser.add_argument("--rate", type=float, default=1000.0,
                         help="stand-in tokens/s per stream, one token per delta (the demand)")
     parser.add_argument("--skip-uncoalesced", action="store_true")
