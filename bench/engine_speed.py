@@ -16,17 +16,18 @@ import time
 from pathlib import Path
 
 from bench.cli import whole_number
+from bench.paths import one_message
 from engine import ChatError, TurnStats, load_config
+from engine.launch import EngineSetup, Machine, engine_setup
 from engine.llm import PresetEngine
-from engine.model import has_cuda, resolve_model
-from engine.pool import engine_args
+from engine.model import resolve_model
 
 
 async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
     async def one(i):
         stats = None
-        async for item in engine.stream([{"role": "user", "content": f"Tell story {i}."}],
-                                        max_tokens=tokens, ignore_eos=True, temperature=0.8):
+        async for item in engine.stream(one_message(engine, f"Tell story {i}.", tokens, ""),
+                                        ignore_eos=True, temperature=0.8):
             if isinstance(item, TurnStats):
                 stats = item
         return stats
@@ -43,8 +44,8 @@ async def main(args, config) -> None:
     overrides = {"enforce_eager": args.eager}
     preset = config.presets[args.preset]
     model = resolve_model(config.model)
-    engine = PresetEngine(preset.name, {**engine_args(config, preset, model, has_cuda()),
-                                        **overrides})
+    setup = engine_setup(config, preset, model, Machine.here())
+    engine = PresetEngine(preset.name, EngineSetup({**setup.args, **overrides}, setup.env))
     await engine.start()
     try:
         await run_streams(engine, 2, 8)  # warm-up

@@ -9,8 +9,16 @@ import time
 
 from bench.metrics import RequestTiming, summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, Request
-from engine import TurnStats
+from engine import Message, Prompt, TurnStats
+from engine.history import fit_history
 from engine.llm import PresetEngine
+
+
+def one_message(engine: PresetEngine, text: str, max_tokens: int,
+                system_prompt: str = SYSTEM_PROMPT) -> Prompt:
+    """A new conversation's first prompt, fitted to `engine` as the app fits every turn."""
+    return fit_history(engine.formatter, [], Message("user", text), system_prompt=system_prompt,
+                       max_model_len=engine.max_model_len, max_tokens=max_tokens)
 
 
 async def _arrive(req: Request, run_started: float) -> None:
@@ -47,9 +55,8 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
             await _arrive(req, started)
             t = RequestTiming(sent=time.monotonic())
             timings.append(t)
-            async for item in engine.stream([{"role": "user", "content": req.prompt}],
-                                            max_tokens=req.output_len, ignore_eos=True,
-                                            system_prompt=SYSTEM_PROMPT, **SAMPLING):
+            async for item in engine.stream(one_message(engine, req.prompt, req.output_len),
+                                            ignore_eos=True, **SAMPLING):
                 if isinstance(item, TurnStats):
                     t.output_tokens = item.output_tokens
                 else:
@@ -74,7 +81,7 @@ async def run_engine(engine: PresetEngine, requests: list[Request], concurrency:
 async def run_app(url: str, profile: str, requests: list[Request], concurrency: int,
                   progress=None) -> dict:
     """The same, through the app: one socket session per user."""
-    from tests.chainlit_client import ChatClient
+    from tools.chainlit_client import ChatClient
 
     queue = list(reversed(requests))
     timings: list[RequestTiming] = []

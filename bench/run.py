@@ -38,9 +38,9 @@ from bench.cli import parse_args
 from bench.metrics import summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
 from engine import ChatError, load_config
+from engine.launch import Machine, engine_setup
 from engine.llm import PresetEngine
-from engine.model import has_cuda, resolve_model
-from engine.pool import engine_args
+from engine.model import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHING_PRESET = "throughput-first"  # the preset whose promise is batching
@@ -201,7 +201,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
                                        engine_run, skip)
         app_run = None
         if "app" in args.paths:
-            from tests.chainlit_client import Server
+            from tools.chainlit_client import Server
 
             profiles = single_preset_profiles(Path(config.source), preset_name)
             profile = next(p.name for p in config.profiles if p.preset == preset_name)
@@ -209,7 +209,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
             server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
                              "VCHAT_KV_CACHE_GIB": str(kv_gib),
                              "VCHAT_MAX_MODEL_LEN": str(engine.max_model_len),
-                             "VCHAT_ENFORCE_EAGER": "1" if engine.engine_args["enforce_eager"]
+                             "VCHAT_ENFORCE_EAGER": "1" if engine.setup.args["enforce_eager"]
                              else "0"}, base_env=ENV_AT_START)
             bar.set_description(f"{preset_name} app starting")
             await server.wait_ready()
@@ -351,12 +351,12 @@ async def main(args, config) -> None:
         total += max(top, args.min_requests) * (args.preset_repeats - 1) * len(presets)
     started = time.monotonic()
     runs, engines, presets_pairs = {}, {}, None
-    model = resolve_model(config.model)
+    model, machine = resolve_model(config.model), Machine.here()
     with tqdm(total=total, unit="req") as bar:
         try:
             for name in presets:
-                engines[name] = PresetEngine(name, engine_args(config, config.presets[name],
-                                                               model, has_cuda()))
+                engines[name] = PresetEngine(name, engine_setup(config, config.presets[name],
+                                                                model, machine))
                 runs[name] = await bench_preset(args, config, name, name == batching, bar,
                                                 engines[name], engine_skip(args, presets))
             if presets_interleaved(args, presets):
@@ -375,8 +375,8 @@ async def main(args, config) -> None:
         **headline(runs, top, presets_pairs),
         "ui_ceiling": ceiling,
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
-                    "gpu": has_cuda(), "python": platform.python_version()},
-        "model": resolve_model(config.model),
+                    "gpu": machine.gpu, "python": platform.python_version()},
+        "model": model,
         "command": "python -m bench.run " + " ".join(sys.argv[1:]),
         "settings": {"levels": args.levels, "workloads": args.workloads,
                      "app_workloads": args.app_workloads,

@@ -22,7 +22,7 @@ import psutil
 from bench import paths
 from bench.cli import whole_number
 from bench.workloads import chat
-from tests.chainlit_client import Server
+from tools.chainlit_client import Server
 
 PROFILE = "Throughput-first"  # the profile whose limits allow the longest replies
 

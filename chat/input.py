@@ -23,10 +23,6 @@ INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f"
 SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class MessageRefused(ChatError):
-    """The message cannot be sent as it is; str() is the explanation for the user."""
-
-
 @dataclass(frozen=True)
 class CheckedMessage:
     text: str
@@ -50,11 +46,11 @@ class CheckedMessage:
 
 
 def check_message(text: object, max_chars: int) -> CheckedMessage:
-    """The message as the model will get it, or MessageRefused."""
+    """The message as the model will get it, or a ChatError saying why it cannot be sent."""
     if not isinstance(text, str):
-        raise MessageRefused("That message could not be read as text. Please type it again.")
+        raise ChatError("That message could not be read as text. Please type it again.")
     if len(text) > max_chars:
-        raise MessageRefused(
+        raise ChatError(
             f"Your message is {len(text):,} characters long; this chat takes at most "
             f"{max_chars:,} per message. Please shorten it or send it in parts.")
     text = text.replace("\r\n", "\n").replace("\r", "\n")
@@ -62,7 +58,7 @@ def check_message(text: object, max_chars: int) -> CheckedMessage:
     cleaned, removed = INVISIBLE.subn("", text)
     if not cleaned.strip():
         if removed:
-            raise MessageRefused("Your message had only invisible control characters, so "
+            raise ChatError("Your message had only invisible control characters, so "
                                  "there was nothing to send. Please type a message.")
-        raise MessageRefused("Your message is empty. Please type something to send.")
+        raise ChatError("Your message is empty. Please type something to send.")
     return CheckedMessage(cleaned, removed, replaced)

@@ -10,9 +10,9 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from engine import Message, Profile
+from engine import ChatError, Message, Profile, Prompt
 
-from .input import MessageRefused
+from .view import dropped_notice, short_reply_notice
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,10 @@ class Settings:
                    profile.system_prompt)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Turn:
-    user: str
-    reply: str
-    stopped: bool = False  # the user pressed Stop: `reply` is what was shown until then
+    user: Message
+    reply: Message  # as shown: a stopped reply is the part the user saw
 
 
 @dataclass
@@ -42,7 +41,9 @@ class Conversation:
     profile: Profile
     settings: Settings
     turns: list[Turn] = field(default_factory=list)
+    last_prompt: Prompt | None = None  # the next turn's prompt builds on it
     told_about_dropping: bool = False
+    told_about_short_replies: bool = False
     in_flight: bool = False  # a turn of this session is being answered
     _started: collections.deque = field(default_factory=collections.deque)  # turn start times
 
@@ -51,24 +52,22 @@ class Conversation:
         return cls(profile, Settings.defaults(profile))
 
     def history(self) -> list[Message]:
-        out = []
-        for turn in self.turns:
-            out += [Message("user", turn.user), Message("assistant", turn.reply)]
-        return out
+        """The turns as messages (the same objects each time: they keep their token ids)."""
+        return [msg for turn in self.turns for msg in (turn.user, turn.reply)]
 
     def begin_turn(self, now: float | None = None) -> None:
-        """Admit a new turn of this session, or MessageRefused: one turn at a time, and at
+        """Admit a new turn of this session, or ChatError: one turn at a time, and at
         most `limits.turns_per_minute` in any minute."""
         now = time.monotonic() if now is None else now
         if self.in_flight:
-            raise MessageRefused("Still answering your previous message: wait for the reply "
+            raise ChatError("Still answering your previous message: wait for the reply "
                                  "to finish, or press Stop, then send this one again.")
         per_minute = self.profile.limits.turns_per_minute
         while self._started and now - self._started[0] >= 60:
             self._started.popleft()
         if len(self._started) >= per_minute:
             wait = math.ceil(60 - (now - self._started[0]))
-            raise MessageRefused(f"You are sending messages faster than this chat allows "
+            raise ChatError(f"You are sending messages faster than this chat allows "
                                  f"({per_minute} a minute). Please wait {wait} s and send "
                                  "it again.")
         self._started.append(now)
@@ -77,14 +76,23 @@ class Conversation:
     def end_turn(self) -> None:
         self.in_flight = False
 
-    def record(self, user: str, reply: str, stopped: bool = False) -> None:
-        self.turns.append(Turn(user, reply, stopped))
+    def record(self, user: Message, reply: str) -> None:
+        self.turns.append(Turn(user, Message("assistant", reply)))
 
     def sampling(self) -> dict:
-        """Overrides for the engine's stream() call."""
-        return {"temperature": self.settings.temperature,
-                "max_tokens": self.settings.max_tokens,
-                "system_prompt": self.settings.system_prompt}
+        """The user's sampling settings, for the engine's stream() call."""
+        return {"temperature": self.settings.temperature}
+
+    def notices(self, prompt: Prompt) -> list[str]:
+        """What to tell the user about how this turn's prompt was fitted, once per chat."""
+        out = []
+        if prompt.dropped_turns and not self.told_about_dropping:
+            self.told_about_dropping = True
+            out.append(dropped_notice(prompt.dropped_turns))
+        if prompt.reply_shortened and not self.told_about_short_replies:
+            self.told_about_short_replies = True
+            out.append(short_reply_notice(prompt.max_tokens, prompt.asked_max_tokens))
+        return out
 
     def update_settings(self, values: dict) -> list[str]:
         """Apply valid values; return one message per refused value (those stay as they were)."""

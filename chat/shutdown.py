@@ -1,15 +1,17 @@
-"""Graceful shutdown: stop taking new turns, let the turns in flight finish within a grace
-period, then end the rest cleanly.
+"""Graceful shutdown: on SIGTERM or Ctrl+C stop taking new turns, let the turns in flight
+finish within a grace period, end the rest cleanly, then let the server stop.
 
-No UI code here: app.py registers each turn with `turn()`, refuses new ones while
-`closing`, and words what the users see.
+No UI code here: app.py calls `handle_signals` once the server runs, registers each turn
+with `turn()`, refuses new ones while `closing`, and words what the users see.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import signal
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,7 @@ class Shutdown:
         self.grace_s = grace_s
         self.closing = False
         self._turns: set[asyncio.Task] = set()
+        self._drain: asyncio.Task | None = None  # held: the loop keeps only a weak reference
 
     @property
     def turns(self) -> int:
@@ -51,3 +54,31 @@ class Shutdown:
         if pending:
             await asyncio.wait(pending, timeout=10)
         return len(done), len(pending)
+
+    def handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Put the drain in front of the server's own SIGTERM/SIGINT handling (uvicorn's,
+        which closes every connection at once): the first signal stops new turns and gives
+        the turns in flight `grace_s`, then the server's handler runs as before; a second
+        signal runs it at once."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            server_handler = signal.getsignal(sig)
+            if callable(server_handler):  # else no server handles it: leave it alone
+                signal.signal(sig, functools.partial(self._on_signal, loop, server_handler))
+
+    def _on_signal(self, loop, server_handler, signum, frame) -> None:
+        if self.closing:
+            server_handler(signum, frame)
+            return
+        self.closing = True
+        loop.call_soon_threadsafe(self._start_drain, server_handler, signum, frame)
+
+    def _start_drain(self, server_handler, signum, frame) -> None:
+        self._drain = asyncio.get_running_loop().create_task(
+            self._drain_then(server_handler, signum, frame))
+
+    async def _drain_then(self, server_handler, signum, frame) -> None:
+        finished, cut = await self.drain()
+        if finished or cut:
+            log.info("stopping: %d turn(s) finished, %d cut short", finished, cut)
+            await asyncio.sleep(0.5)  # let the last messages leave before connections close
+        server_handler(signum, frame)

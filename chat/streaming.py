@@ -9,10 +9,9 @@ are joined and sent when it ends, by a timer if nothing else arrives.
 
 When many replies stream at once, a `Pace` shared by all of them lets the interval grow
 with their number, but only up to about two of the engine's pieces per update (a fast
-stream keeps the short interval; a slow one sends every other piece). Every event costs
-about the same whatever it carries (a socket write and a wake-up on each side, ~0.1-0.2 ms
-of CPU here), so many slow streams cost as much as a few fast ones, and on a 2-core machine
-that time is taken from the model's threads.
+stream keeps the short interval; a slow one sends every other piece): every event costs
+about the same whatever it carries, so many slow streams cost as much as a few fast ones,
+and on a small machine that time is taken from the model (BENCHMARKS.md, "What it shows").
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from collections.abc import Awaitable, Callable
 # 25 updates a second reads as smooth text; fewer start to look like jumps.
 DEFAULT_INTERVAL_S = 0.04
 # At most this long between updates however busy the app is: 5 updates a second still read
-# as a stream (on a CPU at 32 users a stream gets ~10 tokens/s, so 2 tokens per update).
+# as a stream.
 SLOWEST_INTERVAL_S = 0.2
 # Events per second for all streams together before the interval grows (32 streams: 0.2 s).
 EVENTS_PER_S = 160
@@ -39,6 +38,11 @@ class Pace:
         self.fastest, self.slowest = fastest, max(slowest, fastest)
         self.events_per_s = events_per_s
         self.streams = 0
+
+    @classmethod
+    def starting_at(cls, fastest: float) -> "Pace":
+        """The app's pace: `fastest` for few streams; 0 sends every piece, however many."""
+        return cls(fastest, SLOWEST_INTERVAL_S if fastest > 0 else 0)
 
     @property
     def interval(self) -> float:

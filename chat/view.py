@@ -2,6 +2,20 @@
 
 from engine import TurnStats
 
+STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
+            "already: your message will be answered as soon as it is ready.")
+WITHDRAWN = "*Stopped before the reply began: that message is not part of the conversation.*"
+UNEXPECTED = ("Sorry, something went wrong on our side while answering, and it has been "
+              "logged. Your message was not added to the conversation; please send it again.")
+CLOSING = ("The app is restarting or shutting down, so your message was not sent. Please "
+           "send it again in a minute.")
+NOT_ANSWERED = ("The app shut down before your message could be answered; it is not part of "
+                "the conversation. Please send it again in a minute.")
+CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again once it is "
+             "back for a full reply.*")
+STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
+            "filler text produced at a set speed to measure the chat layer.")
+
 
 def stats_line(stats: TurnStats, profile: str) -> str:
     """The small line under a reply: time to first token, speed, tokens in/out, profile."""
@@ -11,11 +25,25 @@ def stats_line(stats: TurnStats, profile: str) -> str:
             f"{stats.output_tokens:,} out · {profile}*")
 
 
+def reply_metadata(stats: TurnStats, profile: str, dropped_turns: int) -> dict:
+    """What a finished reply carries besides its text (for clients, tests and benchmarks)."""
+    return {"profile": profile, "preset": stats.preset, "prompt_tokens": stats.prompt_tokens,
+            "output_tokens": stats.output_tokens, "ttft_s": stats.ttft_s,
+            "tokens_per_s": stats.tokens_per_s, "finish_reason": stats.finish_reason,
+            "dropped_turns": dropped_turns}
+
+
 def dropped_notice(turns: int) -> str:
     return (f"This conversation no longer fits the model's context, so the oldest "
             f"{'turn was' if turns == 1 else f'{turns} turns were'} left out of what the "
             "model sees (and older ones will be as it grows). Start a new chat for a clean "
             "slate.")
+
+
+def short_reply_notice(room: int, asked: int) -> str:
+    return (f"Replies in this chat can be cut short: the model's context leaves this one room "
+            f"for {room:,} tokens, fewer than the {asked:,} your settings allow. Lower "
+            "'Max tokens' in the settings to avoid it.")
 
 
 def queued_notice(place: int) -> str:

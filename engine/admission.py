@@ -3,8 +3,8 @@
 At most `running` turns are inside the engine at once (the preset's max_num_seqs, so vLLM
 never has to hold turns back itself and our queue is the one users see). Up to `queued`
 more wait in order and are told their place whenever it changes; beyond that a turn is
-refused at once with `EngineBusy`. A waiting turn that is cancelled (Stop, a closed
-browser) leaves the queue and the turns behind it move up.
+refused at once with a `ChatError` saying so. A waiting turn that is cancelled (Stop, a
+closed browser) leaves the queue and the turns behind it move up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from .errors import EngineBusy
+from .errors import ChatError
 
 
 class _Waiter:
@@ -24,8 +24,8 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, running: int, queued: int, name: str = "engine"):
-        self.running, self.queued, self.name = running, queued, name
+    def __init__(self, running: int, queued: int):
+        self.running, self.queued = running, queued
         self.inside = 0
         self._queue: collections.deque[_Waiter] = collections.deque()
 
@@ -52,7 +52,9 @@ class Admission:
 
     async def _wait(self, on_queued) -> None:
         if len(self._queue) >= self.queued:
-            raise EngineBusy(self.name, self.inside, len(self._queue))
+            raise ChatError(f"This chat is busy right now: {self.inside} replies are being "
+                            f"written and {len(self._queue)} messages are waiting. Please try "
+                            "again in a minute; your message was not sent.")
         waiter = _Waiter(asyncio.get_running_loop())
         self._queue.append(waiter)
         try:

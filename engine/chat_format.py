@@ -6,37 +6,69 @@ recognised, the users' and assistant's text with special tokens split into plain
 So a user who types `<|im_end|>` gets the characters, never the control token, and cannot
 end their own turn or open a system turn (rendering the whole string and encoding it would
 let them).
+
+Cheap per turn: a message's text is encoded once (its ids stay with the `Message`), and
+the template's pieces between messages are learnt once per tokenizer from two probe
+conversations, so a long conversation's prompt is put together without rendering or
+re-encoding it (BENCHMARKS.md, "History fitting"). A template whose pieces depend on more
+than the neighbouring roles (the probes show it) is rendered for every prompt instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import secrets
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ChatError
 
 ROLES = ("system", "user", "assistant")
+START, END = "(start)", "(end)"  # the neighbours of the first and after the last message
+_FORMATTERS = itertools.count()
+MAX_SYSTEM_PROMPTS = 256  # system prompts kept encoded (users can write their own)
 
 
 @dataclass(frozen=True)
 class Message:
     role: str
     content: str
+    # [formatter number, token ids of `content`]: encoded once per formatter, then reused.
+    _ids: list = field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ChatError(f"Unknown message role {self.role!r}; allowed: {', '.join(ROLES)}.")
+        if not isinstance(self.content, str):
+            raise ChatError("Message content must be text.")
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """A prompt's token ids, where each message's part ends in them, and its messages."""
+
+    formatter: int
+    messages: list[Message]
+    ids: array
+    ends: list[int]
+    learnt: bool  # built from learnt pieces, so a longer prompt can start from it
+
+
+def _shared(before: list[Message], now: Sequence[Message]) -> int:
+    """How many leading messages two prompts share (the same objects, in order)."""
+    count = 0
+    for a, b in zip(before, now):
+        if a is not b:
+            break
+        count += 1
+    return count
 
 
 def as_messages(items: Sequence[Message | dict]) -> list[Message]:
-    """Accept `Message`s or `{role, content}` dicts; refuse anything else clearly."""
-    out = []
-    for item in items:
-        msg = item if isinstance(item, Message) else Message(item["role"], item["content"])
-        if msg.role not in ROLES:
-            raise ChatError(f"Unknown message role {msg.role!r}; allowed: {', '.join(ROLES)}.")
-        if not isinstance(msg.content, str):
-            raise ChatError("Message content must be text.")
-        out.append(msg)
-    return out
+    """Accept `Message`s or `{role, content}` dicts (checked as they become Messages)."""
+    return [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in items]
 
 
 class ChatFormatter:
@@ -46,36 +78,112 @@ class ChatFormatter:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError("The model's tokenizer has no chat template; pick an instruct model.")
         self.tokenizer = tokenizer
+        self._number = next(_FORMATTERS)
+        self._tag = secrets.token_hex(8)
+        self._mark = re.compile(f"VCHATMSG{self._tag}N(\\d+)E")
+        self._piece_ids: dict[str, array] = {}  # template pieces -> ids (a handful)
+        self._systems: dict[str, Message] = {}
+        self.glue = self._learn_glue()  # (role before, role) -> template piece, or None
+        self._glue_ids = {pair: self._template_ids(piece)
+                          for pair, piece in (self.glue or {}).items()}
+
+    def with_system(self, messages: Sequence[Message | dict], system_prompt: str
+                    ) -> list[Message]:
+        """`messages` with the system prompt first, unless they start with one."""
+        msgs = as_messages(messages)
+        if system_prompt and not (msgs and msgs[0].role == "system"):
+            system = self._systems.get(system_prompt)
+            if system is None:  # one Message per system prompt, so it is encoded once
+                if len(self._systems) >= MAX_SYSTEM_PROMPTS:
+                    self._systems.clear()
+                system = self._systems[system_prompt] = Message("system", system_prompt)
+            msgs.insert(0, system)
+        return msgs
+
+    def assemble(self, msgs: Sequence[Message], previous: Assembly | None = None) -> Assembly:
+        """The prompt for `msgs`: the template's piece before each message, the message;
+        last the generation prompt. From `previous` (the last turn's) it reuses the part of
+        the messages both share, so a turn costs what it adds, not the whole history."""
+        start = _shared(previous.messages, msgs) if (
+            previous is not None and previous.formatter == self._number and previous.learnt
+            ) else 0
+        pieces, learnt = self._learnt_pieces(msgs, start), True
+        if pieces is None:  # the template needs rendering: nothing carries over
+            start, learnt = 0, False
+            pieces = [self._template_ids(p) for p in self._render([m.role for m in msgs])]
+        ids = previous.ids[:previous.ends[start - 1]] if start else array("i")
+        ends = previous.ends[:start] if start else []
+        for piece, msg in zip(pieces, msgs[start:]):
+            ids.extend(piece)
+            ids.extend(self.content_ids(msg))
+            ends.append(len(ids))
+        ids.extend(pieces[-1])
+        return Assembly(self._number, list(msgs), ids, ends, learnt)
 
     def prompt_ids(self, messages: Sequence[Message | dict], system_prompt: str = "") -> list[int]:
         """Token ids for `messages` (system prompt first when given), ready for generation."""
-        msgs = as_messages(messages)
-        if system_prompt and not (msgs and msgs[0].role == "system"):
-            msgs.insert(0, Message("system", system_prompt))
-        # 1. Render with unique placeholders, which contain nothing a template would trim.
-        tag = secrets.token_hex(8)
-        marks = [f"VCHATMSG{tag}N{i}E" for i in range(len(msgs))]
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": mark} for m, mark in zip(msgs, marks)],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        # 2. Split on them; template text and message text alternate.
-        pieces = re.split(f"(VCHATMSG{tag}N\\d+E)", rendered)
-        ids: list[int] = []
-        for piece in pieces:
-            match = re.fullmatch(f"VCHATMSG{tag}N(\\d+)E", piece)
-            if match:
-                ids += self._encode(msgs[int(match.group(1))].content, special=False)
-            elif piece:
-                ids += self._encode(piece, special=True)
-        return ids
+        return self.assemble(self.with_system(messages, system_prompt)).ids.tolist()
 
     def count(self, messages: Sequence[Message | dict], system_prompt: str = "") -> int:
         """Prompt length in tokens, as the engine will see it."""
-        return len(self.prompt_ids(messages, system_prompt))
+        return len(self.assemble(self.with_system(messages, system_prompt)).ids)
+
+    def content_ids(self, msg: Message) -> array:
+        """`msg.content` as token ids, special tokens as plain text; encoded once."""
+        if not msg._ids or msg._ids[0] != self._number:
+            msg._ids[:] = [self._number, array("i", self._encode(msg.content, special=False))]
+        return msg._ids[1]
+
+    # -- the template's own pieces -----------------------------------------------------
+
+    def _learnt_pieces(self, msgs: Sequence[Message], start: int) -> list[array] | None:
+        """The template's pieces (ids) before msgs[start:] and after the last, from the
+        learnt ones; None when the template must be rendered instead."""
+        if self.glue is None:
+            return None
+        roles = [msgs[start - 1].role if start else START] + [m.role for m in msgs[start:]]
+        try:
+            return [self._glue_ids[pair] for pair in zip(roles, roles[1:] + [END])]
+        except KeyError:  # a pair of roles the probes did not show
+            return None
+
+    def _render(self, roles: Sequence[str]) -> list[str]:
+        """Render the template with placeholders and split it at them."""
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": role, "content": f"VCHATMSG{self._tag}N{i}E"}
+             for i, role in enumerate(roles)],
+            tokenize=False, add_generation_prompt=True)
+        parts = self._mark.split(rendered)  # text, number, text, number, ..., text
+        if [int(n) for n in parts[1::2]] != list(range(len(roles))):
+            raise ChatError("The model's chat template reorders or drops messages; this "
+                            "chat cannot use it.")
+        return parts[0::2]
+
+    def _learn_glue(self) -> dict[tuple[str, str], str] | None:
+        """The piece between each pair of neighbouring roles, from two probe conversations;
+        None when the same pair gets different pieces (the template looks further)."""
+        glue: dict[tuple[str, str], str] = {}
+        for roles in (["system", "user", "assistant", "user", "assistant", "user"],
+                      ["user", "assistant", "user", "assistant", "user", "assistant"]):
+            try:
+                pieces = self._render(roles)
+            except Exception:  # a template with rules of its own: render every prompt
+                return None
+            around = [START] + roles + [END]
+            for pair, piece in zip(zip(around, around[1:]), pieces):
+                if glue.setdefault(pair, piece) != piece:
+                    return None
+        return glue
+
+    def _template_ids(self, piece: str) -> array:
+        ids = self._piece_ids.get(piece)
+        if ids is None:
+            ids = self._piece_ids[piece] = array("i", self._encode(piece, special=True))
+        return ids
 
     def _encode(self, text: str, special: bool) -> list[int]:
+        if not text:
+            return []
         return self.tokenizer(
             text, add_special_tokens=False, split_special_tokens=not special
         )["input_ids"]

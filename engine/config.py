@@ -2,13 +2,12 @@
 
 Mistakes raise one `ConfigError` naming the file, the field and what is allowed. vLLM option
 names pass through unchanged and are checked against vLLM's own `AsyncEngineArgs`.
-Environment variables (prefix VCHAT_) override a few deployment settings; see ENV_OVERRIDES.
+A few environment variables override fields of the file (engine/settings.py, `overrides`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,17 +16,11 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError
+from .settings import SETTINGS, setting
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
 # vLLM options the engine layer sets itself; a preset naming them would be overridden.
 MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
-# Environment variable -> (path in the file, parser).
-ENV_OVERRIDES = {
-    "VCHAT_MODEL": ("model", str),
-    "VCHAT_MAX_MODEL_LEN": ("vllm.max_model_len", int),
-    "VCHAT_ENFORCE_EAGER": ("vllm.enforce_eager", lambda v: v.lower() in ("1", "true", "yes")),
-    "VCHAT_KV_CACHE_GIB": ("memory.cpu_kv_cache_gib", float),
-}
 
 
 @dataclass(frozen=True)
@@ -111,8 +104,7 @@ class Config:
 
 def load_config(path: str | Path | None = None, env: dict | None = None) -> Config:
     """Read and check the profiles file ($VCHAT_PROFILES, else ./profiles.yaml)."""
-    env = os.environ if env is None else env
-    path = Path(path or env.get("VCHAT_PROFILES") or DEFAULT_PATH)
+    path = Path(path or setting("VCHAT_PROFILES", env) or DEFAULT_PATH)
     source = str(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -122,13 +114,10 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
         raise ConfigError(source, "(file)", f"not valid YAML: {exc}") from None
     raw = _check_map(source, "(top level)", raw, required={"presets", "profiles"},
                      optional={"model", "vllm", "memory"})
-    for var, (dotted, parse) in ENV_OVERRIDES.items():
-        if env.get(var):
-            try:
-                value = parse(env[var])
-            except ValueError:
-                raise ConfigError(f"environment variable {var}", var, f"cannot read {env[var]!r}")
-            _set_dotted(raw, dotted, value)
+    for name, spec in SETTINGS.items():
+        value = setting(name, env) if spec.overrides else None
+        if value is not None:
+            _set_dotted(raw, spec.overrides, value)
     return _build(source, raw)
 
 

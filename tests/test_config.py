@@ -1,5 +1,7 @@
 """profiles.yaml validation: every kind of mistake gets one clear message."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,8 @@ import pytest
 import yaml
 
 from engine import ConfigError, load_config
+from engine.launch import GIB, Machine, cpu_dtype, engine_setup
+from engine.settings import SETTINGS, setting
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = yaml.safe_load((ROOT / "profiles.yaml").read_text())
@@ -106,39 +110,81 @@ def test_environment_overrides_are_applied_and_checked(tmp_path):
         load_config(path, env={"VCHAT_MAX_MODEL_LEN": "lots"})
 
 
-def test_check_command_prints_a_clean_error_not_a_traceback(tmp_path):
-    path = write(tmp_path, mutated(lambda d: d["profiles"][0].update(preset="nope")))
-    done = subprocess.run([sys.executable, "-m", "engine", "check", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    assert "profiles[0].preset" in done.stderr and "unknown preset 'nope'" in done.stderr
+@pytest.mark.parametrize("name, value, words", [
+    ("VCHAT_ENFORCE_EAGER", "ture", "must be one of 1, true, yes, on, 0, false, no, off"),
+    ("VCHAT_MAX_MODEL_LEN", "2k", "must be a whole number"),
+    ("VCHAT_MAX_MODEL_LEN", "-5", "must be at least -1"),
+    ("VCHAT_KV_CACHE_GIB", "0", "must be above 0"),
+    ("VCHAT_KV_CACHE_GIB", "nan", "must be above 0"),
+    ("VCHAT_STREAM_INTERVAL_MS", "40ms", "must be a whole number"),
+    ("VCHAT_SHUTDOWN_GRACE_S", "-1", "must be at least 0"),
+    ("VCHAT_ENGINE", "fast", "must be one of vllm, stand-in"),
+    ("VCHAT_STANDIN_TOKENS_PER_S", "x", "must be a number"),
+    ("VCHAT_BENCH_IGNORE_EOS", "maybe", "must be one of"),
+])
+def test_every_setting_refuses_a_bad_value_naming_the_variable(name, value, words):
+    """Regression: bare int() gave tracebacks, and VCHAT_ENFORCE_EAGER=ture meant false."""
+    with pytest.raises(ConfigError) as err:
+        setting(name, {name: value})
+    assert err.value.field == name and words in str(err.value) and repr(value) in str(err.value)
 
 
-def test_engine_args_split_memory_and_pick_eager_mode_per_device():
-    from engine.model import cpu_dtype
-    from engine.pool import GIB, engine_args
+def test_settings_read_their_values_and_defaults():
+    assert setting("VCHAT_ENFORCE_EAGER", {"VCHAT_ENFORCE_EAGER": "Yes"}) is True
+    assert setting("VCHAT_ENFORCE_EAGER", {"VCHAT_ENFORCE_EAGER": "0"}) is False
+    assert setting("VCHAT_ENFORCE_EAGER", {}) is None  # unset: profiles.yaml decides
+    assert setting("VCHAT_SHUTDOWN_GRACE_S", {}) == 10.0
+    assert setting("VCHAT_STREAM_INTERVAL_MS", {"VCHAT_STREAM_INTERVAL_MS": "0"}) == 0
+    assert all(name.startswith("VCHAT_") and spec.doc for name, spec in SETTINGS.items())
 
+
+def test_the_code_reads_no_vchat_variable_outside_the_table():
+    """One table: every VCHAT_ name the Python code mentions is in it."""
+    names = set()
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("engine/*.py"), *ROOT.glob("chat/*.py"),
+                 *ROOT.glob("bench/*.py"), *ROOT.glob("tools/*.py")]:
+        names |= set(re.findall(r"VCHAT_[A-Z_]+", path.read_text()))
+    assert names <= set(SETTINGS), names - set(SETTINGS)
+
+
+def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():
+    env = {**os.environ, "VCHAT_ENFORCE_EAGER": "ture", "VCHAT_SHUTDOWN_GRACE_S": "soon"}
+    check = subprocess.run([sys.executable, "-m", "engine", "check"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2 and "Traceback" not in check.stderr
+    assert "VCHAT_ENFORCE_EAGER" in check.stderr and "'ture'" in check.stderr
+    chainlit = Path(sys.executable).parent / "chainlit"
+    app = subprocess.run([str(chainlit), "run", "app.py", "--headless", "--port", "0"],
+                         cwd=ROOT, env={**env, "VCHAT_ENFORCE_EAGER": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert app.returncode != 0 and "Traceback" not in app.stdout + app.stderr
+    assert "Configuration error: environment: VCHAT_SHUTDOWN_GRACE_S" in app.stderr
+
+
+CPU = Machine(gpu=False, cores=2, cpu_flags=frozenset({"avx512f", "avx512_fp16"}))
+GPU = Machine(gpu=True, cores=16)
+
+
+def test_engine_setup_splits_memory_and_picks_eager_mode_per_device():
     config = load_config(ROOT / "profiles.yaml", env={})
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
-    cpu = engine_args(config, fast, "/m", gpu=False)
+    cpu = engine_setup(config, fast, "/m", CPU, env={}).args
     assert cpu["model"] == "/m" and cpu["enforce_eager"] is True
-    assert cpu["dtype"] == cpu_dtype()  # this CPU's pick (test below)
+    assert cpu["dtype"] == "float16"  # this machine's pick (test below)
     assert cpu["kv_cache_memory_bytes"] == int(config.memory.cpu_kv_cache_gib * 0.5 * GIB)
     assert cpu["max_num_batched_tokens"] == fast.vllm_cpu["max_num_batched_tokens"]
-    gpu = [engine_args(config, p, "/m", gpu=True) for p in (fast, big)]
-    assert all(a["enforce_eager"] is False and "kv_cache_memory_bytes" not in a for a in gpu)
-    assert all(a["dtype"] == "auto" for a in gpu)
-    assert gpu[0]["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
-    assert sum(a["gpu_memory_utilization"] for a in gpu) <= config.memory.gpu_memory_utilization
+    gpu = [engine_setup(config, p, "/m", GPU, env={}) for p in (fast, big)]
+    assert all(s.args["enforce_eager"] is False and "kv_cache_memory_bytes" not in s.args
+               for s in gpu)
+    assert all(s.args["dtype"] == "auto" and s.env == {} for s in gpu)
+    assert gpu[0].args["max_num_batched_tokens"] == fast.vllm["max_num_batched_tokens"]
+    assert sum(s.args["gpu_memory_utilization"] for s in gpu) <= (
+        config.memory.gpu_memory_utilization)
     forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
-    assert engine_args(forced, fast, "/m", gpu=False)["enforce_eager"] is False
+    assert engine_setup(forced, fast, "/m", CPU, env={}).args["enforce_eager"] is False
 
 
 def test_without_a_gpu_the_dtype_follows_the_cpu_and_profiles_yaml_can_set_it(tmp_path):
-    from engine.model import cpu_dtype
-    from engine.pool import engine_args
-
     # float16 only where it was measured to win: AVX512-FP16 without AMX.
     assert cpu_dtype(frozenset({"avx512f", "avx512_bf16", "avx512_fp16"})) == "float16"
     assert cpu_dtype(frozenset({"avx512f", "avx512_fp16", "amx_tile", "amx_bf16"})) == "float32"
@@ -147,16 +193,18 @@ def test_without_a_gpu_the_dtype_follows_the_cpu_and_profiles_yaml_can_set_it(tm
     path = write(tmp_path, mutated(lambda d: d["vllm"].update(dtype="bfloat16")))
     config = load_config(path, env={})
     for preset in config.presets.values():
-        assert engine_args(config, preset, "/m", gpu=False)["dtype"] == "bfloat16"
+        assert engine_setup(config, preset, "/m", CPU, env={}).args["dtype"] == "bfloat16"
 
 
 def test_small_cpus_give_every_core_to_the_model_unless_the_operator_decides():
-    from engine.llm import cpu_thread_env
-
-    assert cpu_thread_env({}, 2) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert cpu_thread_env({}, 64) == {}  # big machines: vLLM's default (one core reserved)
-    assert cpu_thread_env({"VLLM_CPU_OMP_THREADS_BIND": "0"}, 2) == {}
-    assert cpu_thread_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2) == {}
+    config = load_config(ROOT / "profiles.yaml", env={})
+    preset = config.presets["throughput-first"]
+    assert engine_setup(config, preset, "/m", CPU, env={}).env == {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    big_cpu = Machine(gpu=False, cores=64)
+    assert engine_setup(config, preset, "/m", big_cpu, env={}).env == {}  # vLLM's default
+    for own in ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}):
+        assert engine_setup(config, preset, "/m", CPU, env=own).env == {}
 
 
 def test_engine_kind_is_vllm_unless_the_stand_in_is_asked_for():

@@ -5,10 +5,11 @@ import time
 
 import pytest
 
-from engine import ChatError, TurnStats
-from engine.pool import GIB
+from engine import ChatError, Message, Prompt, TurnStats
+from engine.history import fit_history
+from engine.launch import GIB, Machine
 
-HELLO = [{"role": "user", "content": "Name three colours."}]
+HELLO = [Message("user", "Name three colours.")]
 
 
 async def collect(stream):
@@ -22,9 +23,17 @@ async def collect(stream):
     return "".join(deltas), deltas, stats
 
 
-async def run_turn(engines, profile="Latency-first", messages=HELLO, **kw):
-    """One turn through the engines' public surface."""
-    return await collect(engines.stream(messages, profile, **kw))
+def fitted(engines, profile="Latency-first", messages=HELLO, max_tokens=512) -> Prompt:
+    """The prompt for `messages` (the last one new), as the app fits every turn."""
+    *history, new = messages
+    return engines.fit(profile, history, new, max_tokens=max_tokens,
+                       system_prompt=engines.config.profile(profile).system_prompt)
+
+
+async def run_turn(engines, profile="Latency-first", messages=HELLO, max_tokens=512, **kw):
+    """One turn through the engines' public surface: fit, then stream."""
+    prompt = fitted(engines, profile, messages, max_tokens)
+    return await collect(engines.stream(prompt, profile, **kw))
 
 
 async def wait_idle(engine, timeout=5.0):
@@ -44,7 +53,7 @@ async def test_stream_yields_deltas_that_join_to_the_final_text(engines):
     assert stats.prompt_tokens > 0 and stats.ttft_s is not None and stats.tokens_per_s > 0
     # The same request through vLLM's own non-streaming path gives the same text.
     engine = engines.for_profile("Latency-first")
-    ids = engine.formatter.prompt_ids(HELLO, engines.config.profile("Latency-first").system_prompt)
+    ids = fitted(engines, max_tokens=24).token_ids
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     final = None
     async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, "ref-1"):
@@ -70,7 +79,7 @@ async def test_concurrent_turns_are_batched_in_the_same_steps(engines):
     engine.step_stats.reset()
     started = time.monotonic()
     results = await asyncio.gather(*[
-        run_turn(engines, "Throughput-first", messages=[{"role": "user", "content": f"Count to {i}"}],
+        run_turn(engines, "Throughput-first", messages=[Message("user", f"Count to {i}")],
                  max_tokens=tokens, ignore_eos=True) for i in range(n)])
     batch_s, batch_steps = time.monotonic() - started, engine.step_stats.steps
     print(f"1 turn: {one_turn_s:.2f}s in {one_turn_steps} steps; "
@@ -79,15 +88,17 @@ async def test_concurrent_turns_are_batched_in_the_same_steps(engines):
     assert all(stats.output_tokens == tokens for _, _, stats in results)
     # vLLM's own scheduler stats: several requests running in one step.
     assert engine.step_stats.max_running >= n - 1
-    # Sequential service would need n times the steps of one turn; batched needs about one
-    # turn's worth (plus a few while requests arrive). Steps, unlike seconds, are not noisy.
-    assert batch_steps < 2 * one_turn_steps < n * one_turn_steps
+    # Sequential service would need n times the steps of one turn (at least one step per
+    # token); batched needs about one turn's worth (plus a few while requests arrive).
+    # Steps, unlike seconds, are not noisy.
+    assert one_turn_steps >= tokens
+    assert batch_steps < 2 * one_turn_steps
 
 
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_leaving_a_stream_aborts_the_request_in_the_engine(engines, how):
     engine = engines.for_profile("Latency-first")
-    stream = engines.stream(HELLO, "Latency-first", max_tokens=1000, ignore_eos=True)
+    stream = engines.stream(fitted(engines, max_tokens=1000), "Latency-first", ignore_eos=True)
     seen = []
 
     async def consume():
@@ -124,52 +135,63 @@ class _nothing:
 
 async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config):
     assert set(engines.engines) == {"latency-first", "throughput-first"}
+    gpu = Machine.here().gpu
     for name, engine in engines.engines.items():
-        wanted = config.presets[name].options(gpu=False)  # these machines have no GPU
+        wanted = config.presets[name].options(gpu)
         sched, cache = engine.scheduler_config, engine.cache_config
         assert sched.max_num_seqs == wanted["max_num_seqs"]
         assert sched.max_num_batched_tokens == wanted["max_num_batched_tokens"]
         assert sched.enable_chunked_prefill == wanted["enable_chunked_prefill"]
         assert sched.long_prefill_token_threshold == wanted["long_prefill_token_threshold"]
         assert cache.enable_prefix_caching == wanted["enable_prefix_caching"]
-        # The memory split: this preset's share of the configured KV cache.
-        assert cache.kv_cache_memory_bytes == int(
-            config.memory.cpu_kv_cache_gib * config.presets[name].memory_share * GIB)
+        # The memory split: this preset's share of the configured memory.
+        share = config.presets[name].memory_share
+        if gpu:
+            assert cache.gpu_memory_utilization == pytest.approx(
+                config.memory.gpu_memory_utilization * share)
+        else:
+            assert cache.kv_cache_memory_bytes == int(config.memory.cpu_kv_cache_gib * share * GIB)
     assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
-async def test_without_a_gpu_the_model_runs_in_the_cpus_dtype_on_every_core(engines):
+async def test_the_model_runs_in_the_devices_dtype_and_small_cpus_use_every_core(engines):
     import os
 
-    from engine.model import cpu_dtype
+    from engine.launch import cpu_dtype
 
-    engine = engines.for_profile("Throughput-first")
-    assert str(engine.llm.model_config.dtype) == f"torch.{cpu_dtype()}"
-    if len(os.sched_getaffinity(0)) <= 4:  # small machine (CI has 2 cores)
+    machine = Machine.here()
+    dtype = str(engines.for_profile("Throughput-first").llm.model_config.dtype)
+    if machine.gpu:  # the model's own half precision
+        assert dtype in ("torch.bfloat16", "torch.float16")
+        return
+    assert dtype == f"torch.{cpu_dtype(machine.cpu_flags)}"
+    if machine.cores <= 4:  # small machine (CI has 2 cores)
         assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == "0"  # the workers inherit it
 
 
+@pytest.mark.skipif(Machine.here().gpu, reason="the float16 default is for CPUs only")
 async def test_float16_and_float32_give_the_embedded_model_the_same_greedy_replies(engines):
     """float16 is the CPU default only because it is faster with the same replies
-    (model.cpu_dtype): a second engine in the other dtype must answer token for token alike."""
+    (launch.cpu_dtype): a second engine in the other dtype must answer token for token alike."""
+    from engine.launch import EngineSetup
     from engine.llm import PresetEngine
 
     ours = engines.for_profile("Throughput-first")
     dtype = str(ours.llm.model_config.dtype).removeprefix("torch.")
-    other = PresetEngine("other-dtype", {
-        **ours.engine_args, "dtype": "float32" if dtype == "float16" else "float16",
-        "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4})
+    other = PresetEngine("other-dtype", EngineSetup({
+        **ours.setup.args, "dtype": "float32" if dtype == "float16" else "float16",
+        "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4}))
     await other.start()
     try:
         assert {str(e.llm.model_config.dtype) for e in (ours, other)} == {
             "torch.float16", "torch.float32"}
-        for prompt in ("Name three colours.", "What is the capital of France?",
-                       "Write a haiku about a server room at night."):
-            messages = [{"role": "user", "content": prompt}]
-            replies = [(await collect(engine.stream(messages, temperature=0.0,
-                                                    max_tokens=48)))[0]
+        for text in ("Name three colours.", "What is the capital of France?",
+                     "Write a haiku about a server room at night."):
+            prompt = fit_history(ours.formatter, [], Message("user", text), system_prompt="",
+                                 max_model_len=ours.max_model_len, max_tokens=48)
+            replies = [(await collect(engine.stream(prompt, temperature=0.0)))[0]
                        for engine in (ours, other)]
-            assert replies[0] and replies[0] == replies[1], prompt
+            assert replies[0] and replies[0] == replies[1], text
     finally:
         other.shutdown()
 
@@ -189,12 +211,30 @@ async def test_health_reports_every_engine(engines):
 
 async def test_prompt_longer_than_the_context_is_refused_clearly(engines):
     engine = engines.for_profile("Latency-first")
-    long = [{"role": "user", "content": "word " * (engine.max_model_len + 100)}]
-    with pytest.raises(ChatError, match=f"at most {engine.max_model_len} tokens"):
+    long = [Message("user", "word " * (engine.max_model_len + 100))]
+    with pytest.raises(ChatError, match="tokens per prompt"):
         await run_turn(engines, messages=long)
+    # A prompt made some other way is checked by the engine itself, before vLLM sees it.
+    too_long = fit_history(engine.formatter, [], long[0], system_prompt="",
+                           max_model_len=10 * engine.max_model_len, max_tokens=16)
+    with pytest.raises(ChatError, match=f"at most {engine.max_model_len:,} tokens in all"):
+        await collect(engines.stream(too_long, "Latency-first"))
     assert engine.num_unfinished_requests() == 0
     _, _, stats = await run_turn(engines, max_tokens=3, ignore_eos=True)
     assert stats.output_tokens == 3
+
+
+async def test_the_reply_gets_the_room_the_context_leaves(engines):
+    """max_tokens above the context (allowed up to 4,096 with a 2,048-token context) is
+    lowered for the reply, never the prompt's budget below zero; the engine gets one rule."""
+    engine = engines.for_profile("Throughput-first")
+    prompt = fitted(engines, "Throughput-first", max_tokens=4 * engine.max_model_len)
+    assert prompt.reply_shortened
+    assert prompt.prompt_tokens + prompt.max_tokens == engine.max_model_len
+    stream = engines.stream(prompt, "Throughput-first")  # the engine takes it as it is
+    assert isinstance(await anext(stream), (str, TurnStats))
+    await stream.aclose()
+    assert await wait_idle(engine) == 0
 
 
 def test_user_text_with_special_tokens_stays_text(engines):

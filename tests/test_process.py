@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from tests.chainlit_client import ChatClient, Server
+from tools.chainlit_client import ChatClient, Server
 
 
 GRACE_S = 6
@@ -29,13 +29,30 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
         # A user who arrives now sees that the model is starting, and is answered later.
         early = ChatClient(server.url, "Latency-first")
         await early.connect()
+        notes = [e.data for e in early.events if e.name == "new_message"]
+        starting = next((n for n in notes if "still starting" in n["output"]), None)
+        assert starting is not None, notes
         assert (await early.settings(max_tokens=16)).messages == []
+
+        # Stop pressed while the model starts: the message is withdrawn, and the user told.
+        # Regression: the turn ended silently (and left a second "starting" note behind).
+        start = len(early.events)
+        await early.emit_message("A message I take back.")
+        await early.wait_for("task_start", since=start)
+        await early.stop()
+        end = await early.wait_for("task_end", since=start, timeout=30)
+        withdrawn = early.collect(start, end + 1)
+        assert any("Stopped before the reply began" in n for n in withdrawn.notes)
+        assert not any("still starting" in n for n in withdrawn.notes)
+        assert (await server.ready_state())[1]["status"] == "starting", "stopped too late"
+
         reply = await early.send("Hello, are you there?", timeout=400)
-        notes = [e.data["output"] for e in early.events if e.name == "new_message"]
-        assert any("still starting" in n for n in notes)
         assert reply.tokens and reply.reply["metadata"]["output_tokens"] > 0
         status, health = await server.ready_state()
         assert status == 200 and health["status"] == "ok"
+        # The "starting" note went once the model was ready.
+        gone = await early.wait_for("delete_message", since=0, timeout=10)
+        assert early.events[gone].data["id"] == starting["id"]
 
         family = psutil.Process(server.proc.pid).children(recursive=True)
         assert len([p for p in family if "VLLM" in " ".join(p.cmdline()) or

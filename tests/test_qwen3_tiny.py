@@ -6,7 +6,9 @@ double of the same architecture with Qwen's real tokenizer (see that module).
 
 import pytest
 
-from engine import TurnStats
+from engine import Message, TurnStats
+from engine.history import fit_history
+from engine.launch import EngineSetup
 from engine.llm import PresetEngine
 from tests import tiny_qwen3
 
@@ -14,10 +16,10 @@ from tests import tiny_qwen3
 @pytest.fixture(scope="module")
 async def qwen_engine(tmp_path_factory):
     folder = tiny_qwen3.build(tmp_path_factory.mktemp("tiny-qwen3"))
-    engine = PresetEngine("tiny-qwen3", {
+    engine = PresetEngine("tiny-qwen3", EngineSetup({
         "model": str(folder), "enforce_eager": True, "max_model_len": 1024,
         "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8,
-    })
+    }))
     await engine.start()
     yield engine
     engine.shutdown()
@@ -26,8 +28,9 @@ async def qwen_engine(tmp_path_factory):
 async def test_qwen3_architecture_streams_through_the_engine(qwen_engine):
     hf_config = qwen_engine.llm.model_config.hf_config
     assert hf_config.architectures == ["Qwen3ForCausalLM"] and hf_config.head_dim == 128
-    items = [item async for item in qwen_engine.stream(
-        [{"role": "user", "content": "Hello"}], max_tokens=8, ignore_eos=True, temperature=0)]
+    prompt = fit_history(qwen_engine.formatter, [], Message("user", "Hello"), system_prompt="",
+                         max_model_len=qwen_engine.max_model_len, max_tokens=8)
+    items = [item async for item in qwen_engine.stream(prompt, ignore_eos=True, temperature=0)]
     stats = items[-1]
     assert isinstance(stats, TurnStats) and stats.output_tokens == 8
     assert all(isinstance(x, str) for x in items[:-1])

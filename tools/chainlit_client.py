@@ -1,4 +1,5 @@
-"""A headless Chainlit client over the real Socket.IO protocol, and a server launcher.
+"""A headless Chainlit client over the real Socket.IO protocol, and a server launcher, for
+tests/ and bench/.
 
 What a browser does, minus the rendering: connect with the session auth, emit
 `connection_successful`, then `client_message` per turn, `chat_settings_change` and `stop`.
@@ -23,6 +24,7 @@ import httpx
 import socketio
 
 ROOT = Path(__file__).resolve().parent.parent
+# Small, quick engines: eager, 1 GiB of KV cache without a GPU, a 2,048-token context.
 TEST_ENV = {"VCHAT_ENFORCE_EAGER": "1", "VCHAT_KV_CACHE_GIB": "1", "VCHAT_MAX_MODEL_LEN": "2048",
             "HF_HUB_OFFLINE": "1"}
 
@@ -128,9 +130,11 @@ class ChatClient:
         return reply
 
     async def settings(self, **values) -> Reply:
+        """Change settings; returns what the server said in answer. Waits for the server's
+        acknowledgement, which it sends once its handler (and every message the handler
+        sent) is done: no task_start/task_end wraps a settings change."""
         start = len(self.events)
-        await self.sio.emit("chat_settings_change", values)
-        await asyncio.sleep(0.5)  # no task wraps a settings change: give it time to answer
+        await self.sio.call("chat_settings_change", values, timeout=60)
         return self.collect(start, len(self.events))
 
     async def stop(self) -> None:

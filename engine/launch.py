@@ -1,0 +1,85 @@
+"""How a preset becomes a vLLM engine on this machine: `engine_setup` is the one place that
+turns profiles.yaml, the model and the machine into vLLM's engine arguments and the
+environment its processes need. Measurements behind the defaults: BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Config, Preset
+
+GIB = 1 << 30
+SMALL_CPU_CORES = 4  # at most this many cores: every one of them runs the model
+
+
+def has_cuda() -> bool:
+    """True when vLLM will run on a CUDA GPU."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu: bool
+    cores: int
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def here(cls) -> "Machine":
+        return cls(has_cuda(), len(os.sched_getaffinity(0)), cpu_flags())
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    args: dict  # vLLM's AsyncEngineArgs, by its own names
+    env: dict = field(default_factory=dict)  # variables vLLM's processes must see
+
+
+def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
+                 env: Mapping[str, str] | None = None) -> EngineSetup:
+    """One preset's engine on `machine`: profiles.yaml's options (the preset's `vllm_cpu` on
+    top without a GPU), the model, the preset's memory share, and the defaults below
+    unless profiles.yaml sets them. `env`: the environment the operator gave."""
+    env = os.environ if env is None else env
+    args = {**config.vllm, **preset.options(machine.gpu), "model": model}
+    # Compilation pays off on a GPU; on CPU it takes minutes to start for little gain.
+    args.setdefault("enforce_eager", not machine.gpu)
+    args.setdefault("dtype", "auto" if machine.gpu else cpu_dtype(machine.cpu_flags))
+    if machine.gpu:
+        args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
+        return EngineSetup(args)
+    args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
+                                        * GIB)
+    return EngineSetup(args, cpu_thread_env(env, machine.cores))
+
+
+def cpu_dtype(flags: frozenset[str]) -> str:
+    """The model's dtype without a GPU: float16 where it was measured to be faster with the
+    same replies (AVX512-FP16 without AMX), else float32, the safe choice."""
+    return "float16" if "avx512_fp16" in flags and "amx_tile" not in flags else "float32"
+
+
+def cpu_thread_env(env: Mapping[str, str], cores: int) -> dict[str, str]:
+    """On small machines every core for the model: vLLM would keep one per engine for its
+    scheduler, which idles most of the time. An operator's own VLLM_CPU_* setting wins."""
+    if cores > SMALL_CPU_CORES or any(
+            k in env for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")):
+        return {}
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

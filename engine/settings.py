@@ -1,0 +1,109 @@
+"""Every `VCHAT_*` environment variable the product reads, in one table, each checked.
+
+A value that cannot be read is a `ConfigError` naming the variable and what it takes, never
+a traceback or a silent default (`VCHAT_ENFORCE_EAGER=ture` is an error, not "false").
+Variables that override a `profiles.yaml` field name it in `overrides`; engine/config.py
+applies them. The table is data: the engine layer reads its own entries, the app its own.
+
+    from engine.settings import setting
+    grace_s = setting("VCHAT_SHUTDOWN_GRACE_S")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE or word in FALSE:
+        return word in TRUE
+    raise ValueError(f"must be one of {', '.join(TRUE + FALSE)}")
+
+
+def whole(lowest: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("must be a whole number") from None
+        if value < lowest:
+            raise ValueError(f"must be at least {lowest}")
+        return value
+    return parse
+
+
+def number(lowest: float, above: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("must be a number") from None
+        if value != value or value < lowest or (above and value == lowest):
+            raise ValueError(f"must be {'above' if above else 'at least'} {lowest:g}")
+        return value
+    return parse
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def text(value: str) -> str:
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], object]
+    default: str | None  # None: unset means "as profiles.yaml (or the code) says"
+    doc: str
+    overrides: str | None = None  # the profiles.yaml field it replaces
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("VCHAT_PROFILES", text, None, "the profiles file (default ./profiles.yaml)"),
+    Setting("VCHAT_MODEL", text, None, "auto, embedded, a hub id or a checkpoint folder",
+            overrides="model"),
+    Setting("VCHAT_MAX_MODEL_LEN", whole(-1), None, "context length in tokens (-1: fit memory)",
+            overrides="vllm.max_model_len"),
+    Setting("VCHAT_ENFORCE_EAGER", flag, None, "skip torch.compile and CUDA graphs",
+            overrides="vllm.enforce_eager"),
+    Setting("VCHAT_KV_CACHE_GIB", number(0, above=True), None,
+            "KV cache for all engines without a GPU, GiB", overrides="memory.cpu_kv_cache_gib"),
+    Setting("VCHAT_CACHE_DIR", text, None, "where the embedded model is prepared "
+            "(default ~/.cache/vchat)"),
+    Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",
+            "shortest time between a reply's streamed updates; 0 sends every engine piece"),
+    Setting("VCHAT_SHUTDOWN_GRACE_S", number(0), "10",
+            "on SIGTERM/Ctrl+C, how long replies being written may still take"),
+    Setting("VCHAT_ENGINE", one_of("vllm", "stand-in"), "vllm",
+            "benchmarks only: stand-in replaces the model with filler text"),
+    Setting("VCHAT_STANDIN_TOKENS_PER_S", number(0, above=True), "1000",
+            "benchmarks only: the stand-in's tokens/s per reply"),
+    Setting("VCHAT_BENCH_IGNORE_EOS", flag, "0",
+            "benchmarks only: every reply runs to its max tokens"),
+)}
+
+
+def setting(name: str, env: Mapping[str, str] | None = None):
+    """The checked value of `name` (its default when unset or empty; None if it has none)."""
+    spec = SETTINGS[name]
+    raw = (os.environ if env is None else env).get(name) or spec.default
+    if raw is None:
+        return None
+    try:
+        return spec.parse(raw)
+    except ValueError as exc:
+        raise ConfigError("environment", name, f"{exc}, got {raw!r} ({spec.doc})") from None

@@ -1,0 +1,63 @@
+"""Engine lifecycles (engine/pool.py, engine/llm.py): a start or restart under way when the
+app stops leaves no engine behind. The dead-engine restart itself is tested on the real
+server in test_app.py."""
+
+import asyncio
+import functools
+import os
+import time
+
+import psutil
+import pytest
+
+from engine import Engines
+from engine.launch import EngineSetup, Machine, engine_setup
+from engine.llm import PresetEngine
+from engine.model import resolve_model
+from engine.pool import RESTART_BACKOFF_S
+from engine.standin import StandInEngine
+
+
+async def test_shutdown_during_a_restart_leaves_no_engine_running(config):
+    """Regression: restart tasks were fire-and-forget; shutdown did not cancel them, so a
+    restart could put a live engine back after the app stopped. With the labelled
+    STAND-IN engine (no model), whose start is quick."""
+    engines = Engines(config, engine_class=functools.partial(StandInEngine, tokens_per_s=100))
+    await engines.start()
+    engines.engines["latency-first"].shutdown()  # the engine dies
+    deadline = time.monotonic() + 10
+    while "latency-first" not in engines.restarting:
+        assert time.monotonic() < deadline, "the watchdog never noticed"
+        await asyncio.sleep(0.05)
+    engines.shutdown()
+    await asyncio.sleep(RESTART_BACKOFF_S[0] + 3)  # when the restart would have been done
+    assert engines.engines == {} and engines.restarting == set()
+    assert engines.state == "stopped"
+
+
+def engine_cores() -> set[int]:
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)
+            if p.name() == "VLLM::EngineCore"}
+
+
+async def test_a_start_cancelled_midway_leaves_no_engine_process(config):
+    """vLLM builds an engine in a worker thread, which a cancelled start() cannot stop: the
+    build must shut its engine down itself once it finishes."""
+    setup = engine_setup(config, config.presets["latency-first"],
+                         await asyncio.to_thread(resolve_model, config.model), Machine.here())
+    engine = PresetEngine("cancelled", EngineSetup(
+        {**setup.args, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4}, setup.env))
+    before = engine_cores()
+    task = asyncio.create_task(engine.start())
+    deadline = time.monotonic() + 120
+    while not engine_cores() - before:  # the build is under way
+        assert time.monotonic() < deadline and not task.done(), "no engine process started"
+        await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 180
+    while engine_cores() - before:
+        assert time.monotonic() < deadline, "the cancelled start left its engine running"
+        await asyncio.sleep(0.5)
+    assert not engine.running
