@@ -39,7 +39,6 @@ try:
     SHUTDOWN = Shutdown(setting("VCHAT_SHUTDOWN_GRACE_S"))
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
-DEFAULT_PROFILE = next((p for p in CONFIG.profiles if p.default), CONFIG.profiles[0])
 
 
 @cl.on_app_startup
@@ -70,16 +69,14 @@ http.router.routes.sort(key=lambda route: getattr(route, "path", "") != "/ready"
 
 
 def chat_profiles(current_user=None, language=None) -> asyncio.Future:
-    """The profile list, as an already finished future. Chainlit resolves each new
-    session's config with `loop.run_until_complete(...)` under nest_asyncio; given a
-    coroutine, that nests the event loop once per connecting session, and a few dozen
-    connects at once ended in RecursionError (test_app.py::test_many_sessions_connect_at_once).
-    A finished future returns at once, and `await` on it works as usual."""
+    """The profile list, as a finished future: Chainlit runs a coroutine here nested in the
+    event loop once per connecting session, and a few dozen connects at once ended in
+    RecursionError (test_app.py::test_many_sessions_connect_at_once)."""
     done = asyncio.get_running_loop().create_future()
     done.set_result([
         cl.ChatProfile(
             name=p.name, markdown_description=p.description, icon=p.icon or None,
-            default=p is DEFAULT_PROFILE,
+            default=p is CONFIG.default_profile,
             starters=[cl.Starter(label=s.label, message=s.message) for s in p.starters],
         )
         for p in CONFIG.profiles
@@ -93,9 +90,7 @@ chainlit_config.code.set_chat_profiles = chat_profiles
 
 @cl.on_chat_start
 async def chat_start() -> None:
-    name = cl.user_session.get("chat_profile")
-    profile = next((p for p in CONFIG.profiles if p.name == name), DEFAULT_PROFILE)
-    conv = Conversation.start(profile)
+    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
     if ENGINES.stand_in:
@@ -193,9 +188,9 @@ async def answer(conv: Conversation, user: Message) -> None:
     note, reply = PlaceInLine(), cl.Message(content="")
     try:
         await ENGINES.ready()  # while the model starts, the chat shows a note
-        prompt = conv.last_prompt = ENGINES.fit(
-            conv.profile.name, conv.history(), user, system_prompt=conv.settings.system_prompt,
-            max_tokens=conv.settings.max_tokens, previous=conv.last_prompt)
+        prompt = ENGINES.fit(conv.profile.name, conv.history(), user,
+                             system_prompt=conv.settings.system_prompt,
+                             max_tokens=conv.settings.max_tokens)
         for notice in conv.notices(prompt):
             await cl.Message(content=notice).send()
         stats = await stream_reply(conv, prompt, reply, note)

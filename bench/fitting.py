@@ -6,7 +6,8 @@ target model's, with the tiny test checkpoint's ChatML template): how long `fit_
 takes for the next turn as the app calls it, i.e. the earlier messages are the same
 objects as last turn and the last reply and the new message are new. Two cases: the
 context holds it all (nothing dropped), and it holds half (the oldest turns dropped).
-Median of --repeats turns each. This is work the event loop does for every turn.
+Median of --repeats turns each. This is work the event loop does for every turn. It runs
+on the code before issue 13 too, which gave BENCHMARKS.md's "before".
 
     .venv/bin/python -m bench.fitting
 """
@@ -14,7 +15,6 @@ Median of --repeats turns each. This is work the event loop does for every turn.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
 import statistics
@@ -48,28 +48,25 @@ def conversation(fmt: ChatFormatter, tokens: int, rng: random.Random) -> list[Me
 
 
 def next_turn_ms(fmt: ChatFormatter, history: list[Message], context: int, repeats: int,
-                 rng: random.Random) -> tuple[float, int]:
+                 rng: random.Random) -> dict:
     """Median ms of fitting the turn after `history`'s last question, `repeats` times, each
-    with a new reply to it and a new question (the rest as fitted on the turn before)."""
+    with a new reply to it and a new question (the rest as fitted on the turn before):
+    `fit`; and `history_part`, the same fit again once the new text is tokenized, i.e. what
+    the history itself costs (the rest, tokenizing the new text, any fitting has to do)."""
     asked = history[:-1]  # ends with a question whose reply is now written
-    before = fit_history(fmt, asked[:-1], asked[-1], system_prompt=SYSTEM,  # the turn before
-                         max_model_len=context, max_tokens=REPLY_ROOM)
-    times, dropped = [], 0
+    fit_history(fmt, asked[:-1], asked[-1], system_prompt=SYSTEM, max_model_len=context,
+                max_tokens=REPLY_ROOM)  # the turn before
+    times = {"fit": [], "history_part": []}
     for _ in range(repeats):
         turn = asked + [Message("assistant", text(rng, 180))]
         new = Message("user", text(rng, 25))
-        started = time.perf_counter()
-        prompt = fit_history(fmt, turn, new, system_prompt=SYSTEM, max_model_len=context,
-                             max_tokens=REPLY_ROOM, **previous(before))
-        prompt.token_ids  # the list the engine is handed is made from it: part of the cost
-        times.append(time.perf_counter() - started)
-        dropped = prompt.dropped_turns
-    return statistics.median(times) * 1000, dropped
-
-
-def previous(prompt) -> dict:
-    """The last turn's prompt, as the app hands it on (the code before issue 13 had none)."""
-    return {"previous": prompt} if "previous" in inspect.signature(fit_history).parameters else {}
+        for key in times:
+            started = time.perf_counter()
+            prompt = fit_history(fmt, turn, new, system_prompt=SYSTEM, max_model_len=context,
+                                 max_tokens=REPLY_ROOM)
+            times[key].append(time.perf_counter() - started)
+    return {**{k: round(statistics.median(v) * 1000, 3) for k, v in times.items()},
+            "dropped_turns": prompt.dropped_turns}
 
 
 def main(repeats: int) -> dict:
@@ -86,19 +83,19 @@ def main(repeats: int) -> dict:
             tokens = fmt.count(history, SYSTEM)
             for case, context in (("fits", tokens * 2 + REPLY_ROOM + 4096),
                                   ("half dropped", tokens // 2 + REPLY_ROOM)):
-                ms, dropped = next_turn_ms(fmt, history, context, repeats, rng)
+                ms = next_turn_ms(fmt, history, context, repeats, rng)
                 rows.append({"tokenizer": name, "history_tokens": tokens,
-                             "turns": len(history) // 2, "case": case, "dropped_turns": dropped,
-                             "median_ms": round(ms, 3)})
-                print(f"{name:30} {tokens:>6,} tokens {len(history) // 2:>4} turns "
-                      f"{case:13} {ms:8.3f} ms (dropped {dropped})", flush=True)
+                             "turns": len(history) // 2, "case": case, "ms": ms})
+                print(f"{name:30} {tokens:>6,} tokens {len(history) // 2:>4} turns {case:13} "
+                      f"{ms['fit']:8.3f} ms, the history's part {ms['history_part']:.3f} ms "
+                      f"(dropped {ms['dropped_turns']})", flush=True)
     return {"command": "python -m bench.fitting " + " ".join(sys.argv[1:]),
             "repeats": repeats, "rows": rows}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=51)
     parser.add_argument("--out", help="also write the figures (JSON) to this file")
     args = parser.parse_args()
     result = main(args.repeats)

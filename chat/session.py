@@ -41,7 +41,6 @@ class Conversation:
     profile: Profile
     settings: Settings
     turns: list[Turn] = field(default_factory=list)
-    last_prompt: Prompt | None = None  # the next turn's prompt builds on it
     told_about_dropping: bool = False
     told_about_short_replies: bool = False
     in_flight: bool = False  # a turn of this session is being answered

@@ -9,9 +9,9 @@ let them).
 
 Cheap per turn: a message's text is encoded once (its ids stay with the `Message`), and
 the template's pieces between messages are learnt once per tokenizer from two probe
-conversations, so a long conversation's prompt is put together without rendering or
-re-encoding it (BENCHMARKS.md, "History fitting"). A template whose pieces depend on more
-than the neighbouring roles (the probes show it) is rendered for every prompt instead.
+conversations, so a long conversation's prompt is put together from lists of ids, without
+rendering or re-encoding it (BENCHMARKS.md, "History fitting"). A template whose pieces
+depend on more than the neighbouring roles (the probes show it) is rendered every time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,27 +44,6 @@ class Message:
             raise ChatError("Message content must be text.")
 
 
-@dataclass(frozen=True)
-class Assembly:
-    """A prompt's token ids, where each message's part ends in them, and its messages."""
-
-    formatter: int
-    messages: list[Message]
-    ids: array
-    ends: list[int]
-    learnt: bool  # built from learnt pieces, so a longer prompt can start from it
-
-
-def _shared(before: list[Message], now: Sequence[Message]) -> int:
-    """How many leading messages two prompts share (the same objects, in order)."""
-    count = 0
-    for a, b in zip(before, now):
-        if a is not b:
-            break
-        count += 1
-    return count
-
-
 def as_messages(items: Sequence[Message | dict]) -> list[Message]:
     """Accept `Message`s or `{role, content}` dicts (checked as they become Messages)."""
     return [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in items]
@@ -81,7 +59,7 @@ class ChatFormatter:
         self._number = next(_FORMATTERS)
         self._tag = secrets.token_hex(8)
         self._mark = re.compile(f"VCHATMSG{self._tag}N(\\d+)E")
-        self._piece_ids: dict[str, array] = {}  # template pieces -> ids (a handful)
+        self._piece_ids: dict[str, list[int]] = {}  # template pieces -> ids (a handful)
         self._systems: dict[str, Message] = {}
         self.glue = self._learn_glue()  # (role before, role) -> template piece, or None
         self._glue_ids = {pair: self._template_ids(piece)
@@ -100,52 +78,41 @@ class ChatFormatter:
             msgs.insert(0, system)
         return msgs
 
-    def assemble(self, msgs: Sequence[Message], previous: Assembly | None = None) -> Assembly:
-        """The prompt for `msgs`: the template's piece before each message, the message;
-        last the generation prompt. From `previous` (the last turn's) it reuses the part of
-        the messages both share, so a turn costs what it adds, not the whole history."""
-        start = _shared(previous.messages, msgs) if (
-            previous is not None and previous.formatter == self._number and previous.learnt
-            ) else 0
-        pieces, learnt = self._learnt_pieces(msgs, start), True
-        if pieces is None:  # the template needs rendering: nothing carries over
-            start, learnt = 0, False
-            pieces = [self._template_ids(p) for p in self._render([m.role for m in msgs])]
-        ids = previous.ids[:previous.ends[start - 1]] if start else array("i")
-        ends = previous.ends[:start] if start else []
-        for piece, msg in zip(pieces, msgs[start:]):
-            ids.extend(piece)
-            ids.extend(self.content_ids(msg))
+    def assemble(self, msgs: Sequence[Message]) -> tuple[list[int], list[int]]:
+        """The prompt's token ids (the template's piece before each message, the message;
+        last the generation prompt), and where each message's part ends in them."""
+        ids, ends = [], []
+        pieces = self._pieces(msgs)
+        for piece, msg in zip(pieces, msgs):
+            ids += piece
+            ids += self.content_ids(msg)
             ends.append(len(ids))
-        ids.extend(pieces[-1])
-        return Assembly(self._number, list(msgs), ids, ends, learnt)
+        ids += pieces[-1]
+        return ids, ends
 
     def prompt_ids(self, messages: Sequence[Message | dict], system_prompt: str = "") -> list[int]:
         """Token ids for `messages` (system prompt first when given), ready for generation."""
-        return self.assemble(self.with_system(messages, system_prompt)).ids.tolist()
+        return self.assemble(self.with_system(messages, system_prompt))[0]
 
     def count(self, messages: Sequence[Message | dict], system_prompt: str = "") -> int:
         """Prompt length in tokens, as the engine will see it."""
-        return len(self.assemble(self.with_system(messages, system_prompt)).ids)
+        return len(self.assemble(self.with_system(messages, system_prompt))[0])
 
-    def content_ids(self, msg: Message) -> array:
+    def content_ids(self, msg: Message) -> list[int]:
         """`msg.content` as token ids, special tokens as plain text; encoded once."""
         if not msg._ids or msg._ids[0] != self._number:
-            msg._ids[:] = [self._number, array("i", self._encode(msg.content, special=False))]
+            msg._ids[:] = [self._number, self._encode(msg.content, special=False)]
         return msg._ids[1]
 
     # -- the template's own pieces -----------------------------------------------------
 
-    def _learnt_pieces(self, msgs: Sequence[Message], start: int) -> list[array] | None:
-        """The template's pieces (ids) before msgs[start:] and after the last, from the
-        learnt ones; None when the template must be rendered instead."""
-        if self.glue is None:
-            return None
-        roles = [msgs[start - 1].role if start else START] + [m.role for m in msgs[start:]]
-        try:
-            return [self._glue_ids[pair] for pair in zip(roles, roles[1:] + [END])]
-        except KeyError:  # a pair of roles the probes did not show
-            return None
+    def _pieces(self, msgs: Sequence[Message]) -> list[list[int]]:
+        """The template's pieces, as ids, before each message and after the last."""
+        roles = [START] + [m.role for m in msgs] + [END]
+        pairs = list(zip(roles, roles[1:]))
+        if self.glue is not None and all(pair in self.glue for pair in pairs):
+            return [self._glue_ids[pair] for pair in pairs]
+        return [self._template_ids(piece) for piece in self._render(roles[1:-1])]
 
     def _render(self, roles: Sequence[str]) -> list[str]:
         """Render the template with placeholders and split it at them."""
@@ -175,10 +142,10 @@ class ChatFormatter:
                     return None
         return glue
 
-    def _template_ids(self, piece: str) -> array:
+    def _template_ids(self, piece: str) -> list[int]:
         ids = self._piece_ids.get(piece)
         if ids is None:
-            ids = self._piece_ids[piece] = array("i", self._encode(piece, special=True))
+            ids = self._piece_ids[piece] = self._encode(piece, special=True)
         return ids
 
     def _encode(self, text: str, special: bool) -> list[int]:

@@ -96,6 +96,14 @@ class Config:
                 return profile
         raise ConfigError(self.source, "profile", f"no profile named {name!r}")
 
+    @property
+    def default_profile(self) -> Profile:
+        return next((p for p in self.profiles if p.default), self.profiles[0])
+
+    def profile_or_default(self, name: str | None) -> Profile:
+        """The profile a session asked for, or the default one for an unknown name."""
+        return next((p for p in self.profiles if p.name == name), self.default_profile)
+
     def used_presets(self) -> list[Preset]:
         """Presets that some profile uses: one engine runs for each."""
         names = dict.fromkeys(p.preset for p in self.profiles)

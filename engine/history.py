@@ -10,17 +10,18 @@ and the UI tells the user). The system prompt and the newest turns are kept; the
 whole turns (a user message and its reply) are dropped until the rest fits. A new message
 that cannot fit even alone is refused with the limit named.
 
-Fitting is arithmetic on token counts that each message keeps once counted
-(chat_format.py); the prompt is put together once and its exact length checked, since a
-template may change its pieces where a conversation now starts.
+Fitting is arithmetic on the token ids each message keeps once encoded (chat_format.py):
+the prompt is put together, its exact length checked, and when turns must go, as many as
+cover the excess are dropped and the result checked again, since a template may change
+its pieces where a conversation now starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .chat_format import Assembly, ChatFormatter, Message, as_messages
+from .chat_format import ChatFormatter, Message, as_messages
 from .errors import ChatError
 
 
@@ -28,19 +29,14 @@ from .errors import ChatError
 class Prompt:
     messages: list[Message]  # the kept history and the new message (no system prompt)
     system_prompt: str
-    assembly: Assembly = field(repr=False)  # all of it, formatted (chat_format.py)
+    token_ids: list[int]  # all of it, formatted for the engine
     max_tokens: int  # the reply's room
     asked_max_tokens: int  # what the user's settings asked for
     dropped_turns: int = 0  # whole turns left out, oldest first
 
     @property
-    def token_ids(self) -> list[int]:
-        """What the engine gets (made on each call: the prompt keeps only a compact copy)."""
-        return self.assembly.ids.tolist()
-
-    @property
     def prompt_tokens(self) -> int:
-        return len(self.assembly.ids)
+        return len(self.token_ids)
 
     @property
     def reply_shortened(self) -> bool:
@@ -56,10 +52,8 @@ def fit_history(
     system_prompt: str,
     max_model_len: int,
     max_tokens: int,
-    previous: Prompt | None = None,
 ) -> Prompt:
-    """Keep the newest turns that fit the context with the new message (module docstring).
-    `previous`: this conversation's last prompt, whose formatting the new one builds on."""
+    """Keep the newest turns that fit the context with the new message (module docstring)."""
     reserve = min(max_tokens, max_model_len // 2)
     budget = max_model_len - reserve
     history, new = as_messages(history), as_messages([new_message])[0]
@@ -68,8 +62,7 @@ def fit_history(
     while True:
         kept = history[starts[drop]:] + [new] if drop < len(starts) else [new]
         messages = formatter.with_system(kept, system_prompt)
-        assembly = formatter.assemble(messages, previous and previous.assembly)
-        ids, ends = assembly.ids, assembly.ends
+        ids, ends = formatter.assemble(messages)
         if len(ids) <= budget:
             break
         if drop == len(starts):
@@ -80,7 +73,7 @@ def fit_history(
                 "in the settings. Nothing was sent and your chat is unchanged.")
         drop = _more_to_drop(ends, len(messages) - len(kept), starts + [len(history)], drop,
                              len(ids) - budget)
-    return Prompt(kept, system_prompt, assembly, min(max_tokens, max_model_len - len(ids)),
+    return Prompt(kept, system_prompt, ids, min(max_tokens, max_model_len - len(ids)),
                   max_tokens, drop)
 
 

@@ -186,6 +186,8 @@ class Engines:
                 "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
                 "peak_running": engine.step_stats.max_running,
                 "steps": engine.step_stats.steps,
+                "prefix_cache_hit_rate": engine.step_stats.cache_hit_rate,
+                "preempted": engine.step_stats.preempted,
             }
             gate = self.admission.get(name)
             if gate is not None:
@@ -198,13 +200,11 @@ class Engines:
                 "engine": StandInEngine.label if self.stand_in else "vllm"}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
-            system_prompt: str, max_tokens: int, previous: Prompt | None = None) -> Prompt:
-        """Fit a conversation to the context of the profile's engine (see history.py);
-        `previous`, the conversation's last prompt, makes it cheaper."""
+            system_prompt: str, max_tokens: int) -> Prompt:
+        """Fit a conversation to the context of the profile's engine (see history.py)."""
         engine = self.for_profile(profile)
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
-                           max_model_len=engine.max_model_len, max_tokens=max_tokens,
-                           previous=previous)
+                           max_model_len=engine.max_model_len, max_tokens=max_tokens)
 
     async def stream(
         self, prompt: Prompt, profile: str,

@@ -46,21 +46,34 @@ class StepStats:
         self.samples: collections.deque[StepSample] = collections.deque(maxlen=self.HISTORY)
         self.steps = 0
         self.max_running = 0
+        self.cache_queries = self.cache_hits = 0  # prompt tokens looked up in / found in
+        self.preempted = 0  # requests vLLM had to take out and recompute (KV cache full)
 
     def reset(self) -> None:
         with self._lock:
             self.samples.clear()
             self.steps = self.max_running = 0
+            self.cache_queries = self.cache_hits = self.preempted = 0
 
     def add(self, scheduler_stats) -> None:
         if scheduler_stats is None:
             return
         sample = StepSample(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
                             scheduler_stats.kv_cache_usage)
+        cache = scheduler_stats.prefix_cache_stats
         with self._lock:
             self.samples.append(sample)
             self.steps += 1
             self.max_running = max(self.max_running, sample.running)
+            self.cache_queries += cache.queries
+            self.cache_hits += cache.hits
+            self.preempted += cache.preempted_requests
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """The share of prompt tokens vLLM's prefix cache had (None before any prompt)."""
+        with self._lock:
+            return self.cache_hits / self.cache_queries if self.cache_queries else None
 
     def latest(self) -> StepSample | None:
         with self._lock:

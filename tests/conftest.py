@@ -18,7 +18,7 @@ from engine import Engines, load_config  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--soak-turns", type=int, default=160,
-                     help="turns in the soak test (tests/test_app.py; `make soak` runs 704)")
+                     help="turns in the soak test (tests/test_app.py; `make soak` runs 1,000)")
 
 
 @pytest.fixture(scope="session")

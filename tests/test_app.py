@@ -99,6 +99,10 @@ async def test_history_fitting_drops_oldest_turns_and_refuses_an_overlong_messag
         turns.append((text, reply.shown))
     assert fitted.dropped_turns >= 1 and fitted.prompt_tokens <= MAX_MODEL_LEN - 16
     assert len([n for n in notices if "left out" in n]) == 1, "told once, not every turn"
+    # Follow-up turns reuse their history's KV cache, and operators can see it.
+    _, health = await server.ready_state()
+    engine = health["engines"]["latency-first"]
+    assert 0 < engine["prefix_cache_hit_rate"] <= 1 and engine["preempted"] >= 0
 
     refused = await c.send("pear " * 2500)
     assert refused.tokens == []

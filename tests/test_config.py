@@ -34,6 +34,9 @@ def test_shipped_file_loads_with_both_presets():
     assert [p.name for p in config.used_presets()] == ["latency-first", "throughput-first"]
     assert {p.name for p in config.profiles} >= {"Latency-first", "Throughput-first"}
     assert all(p.description and p.icon and p.starters for p in config.profiles)
+    assert config.default_profile.name == "Latency-first"
+    assert config.profile_or_default("Throughput-first").name == "Throughput-first"
+    assert config.profile_or_default("No such profile") is config.default_profile
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     assert fast.vllm["max_num_batched_tokens"] < big.vllm["max_num_batched_tokens"]
     assert fast.vllm["max_num_seqs"] <= big.vllm["max_num_seqs"]

@@ -212,30 +212,3 @@ def test_each_message_is_encoded_once(fmt, monkeypatch):
     fit_history(fmt, history, Message("user", "second"), system_prompt=system,
                 max_model_len=8192, max_tokens=256)
     assert encoded == ["a reply", "second"]
-
-
-def test_a_prompt_built_on_the_last_one_equals_one_built_afresh(fmt, monkeypatch):
-    """The app hands each turn's prompt to the next (`previous`), which then formats only
-    the new messages: through dropped turns, a failed (unrecorded) turn and a changed
-    system prompt, the result is the same as formatting everything again."""
-    rng = random.Random(5)
-    history, previous, reused = [], None, []
-    real = fmt.content_ids
-    for i in range(14):
-        new = Message("user", f"question {i} " + "word " * rng.randint(5, 60))
-        system = SYSTEM if i < 9 else "Another system prompt."
-        calls = []
-        monkeypatch.setattr(fmt, "content_ids", lambda m: (calls.append(m), real(m))[1])
-        prompt = fit_history(fmt, history, new, system_prompt=system, max_model_len=700,
-                             max_tokens=64, previous=previous)
-        monkeypatch.setattr(fmt, "content_ids", real)
-        fresh = fit_history(fmt, history, new, system_prompt=system, max_model_len=700,
-                            max_tokens=64)
-        assert prompt.token_ids == fresh.token_ids, i
-        assert prompt.dropped_turns == fresh.dropped_turns
-        reused.append(len(calls) <= 2)  # only the last reply and the new message
-        if i % 5 != 4:  # every fifth turn fails and is not recorded
-            history += [new, Message("assistant", f"answer {i} " + "word " * rng.randint(5, 80))]
-        previous = prompt
-    assert fresh.dropped_turns > 0, "the conversation outgrew the context"
-    assert sum(reused) >= 8, reused

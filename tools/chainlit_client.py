@@ -24,7 +24,8 @@ import httpx
 import socketio
 
 ROOT = Path(__file__).resolve().parent.parent
-# Small, quick engines: eager, 1 GiB of KV cache without a GPU, a 2,048-token context.
+# Small, quick engines unless the environment says otherwise: eager, 1 GiB of KV cache
+# without a GPU, a 2,048-token context.
 TEST_ENV = {"VCHAT_ENFORCE_EAGER": "1", "VCHAT_KV_CACHE_GIB": "1", "VCHAT_MAX_MODEL_LEN": "2048",
             "HF_HUB_OFFLINE": "1"}
 
@@ -158,7 +159,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
-        env = {**(os.environ if base_env is None else base_env), **TEST_ENV, **(extra_env or {})}
+        base = os.environ if base_env is None else base_env
+        env = {**TEST_ENV, **base, **(extra_env or {})}  # the environment's own values win
         chainlit = Path(sys.executable).parent / "chainlit"
         self.proc = subprocess.Popen(
             [str(chainlit), "run", "app.py", "--headless", "--port", str(self.port)],
