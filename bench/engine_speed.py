@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.cli import whole_number
 from bench.paths import one_message
 from engine import ChatError, TurnStats, load_config
-from engine.launch import EngineSetup, Machine, engine_setup
+from engine.launch import Machine, engine_setup
 from engine.llm import PresetEngine
 from engine.model import resolve_model
 
@@ -41,11 +41,10 @@ async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
 
 
 async def main(args, config) -> None:
-    overrides = {"enforce_eager": args.eager}
     preset = config.presets[args.preset]
     model = resolve_model(config.model)
     setup = engine_setup(config, preset, model, Machine.here())
-    engine = PresetEngine(preset.name, EngineSetup({**setup.args, **overrides}, setup.env))
+    engine = PresetEngine(preset.name, setup.with_args(enforce_eager=args.eager))
     await engine.start()
     try:
         await run_streams(engine, 2, 8)  # warm-up

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from engine import ChatFormatter, Message
 from engine.history import fit_history
 from engine.model import cache_dir, prepare_embedded
-from tests import tiny_qwen3
+from tools import tiny_qwen3
 
 WORDS = ("the a of to and in that is for it on with as was be by this are or at from model "
          "server token batch stream reply user chat engine prompt cache queue").split()

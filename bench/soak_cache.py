@@ -22,7 +22,7 @@ import time
 from bench.cli import whole_number
 from engine import Message, TurnStats, load_config
 from engine.history import fit_history
-from engine.launch import GIB, EngineSetup, Machine, engine_setup
+from engine.launch import GIB, Machine, engine_setup
 from engine.llm import PresetEngine
 from engine.model import resolve_model
 
@@ -47,9 +47,8 @@ async def main(args) -> None:
     config = load_config()
     preset = config.presets[args.preset]
     setup = engine_setup(config, preset, resolve_model(config.model), Machine.here())
-    engine = PresetEngine(preset.name, EngineSetup(
-        {**setup.args, "max_model_len": 2048, "kv_cache_memory_bytes": int(args.kv_gib * GIB)},
-        setup.env))
+    engine = PresetEngine(preset.name, setup.with_args(
+        max_model_len=2048, kv_cache_memory_bytes=int(args.kv_gib * GIB)))
     await engine.start()
     cache = engine.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size

@@ -59,6 +59,6 @@ def check_message(text: object, max_chars: int) -> CheckedMessage:
     if not cleaned.strip():
         if removed:
             raise ChatError("Your message had only invisible control characters, so "
-                                 "there was nothing to send. Please type a message.")
+                            "there was nothing to send. Please type a message.")
         raise ChatError("Your message is empty. Please type something to send.")
     return CheckedMessage(cleaned, removed, replaced)

@@ -60,15 +60,15 @@ class Conversation:
         now = time.monotonic() if now is None else now
         if self.in_flight:
             raise ChatError("Still answering your previous message: wait for the reply "
-                                 "to finish, or press Stop, then send this one again.")
+                            "to finish, or press Stop, then send this one again.")
         per_minute = self.profile.limits.turns_per_minute
         while self._started and now - self._started[0] >= 60:
             self._started.popleft()
         if len(self._started) >= per_minute:
             wait = math.ceil(60 - (now - self._started[0]))
             raise ChatError(f"You are sending messages faster than this chat allows "
-                                 f"({per_minute} a minute). Please wait {wait} s and send "
-                                 "it again.")
+                            f"({per_minute} a minute). Please wait {wait} s and send it "
+                            "again.")
         self._started.append(now)
         self.in_flight = True
 

@@ -51,6 +51,10 @@ class EngineSetup:
     args: dict  # vLLM's AsyncEngineArgs, by its own names
     env: dict = field(default_factory=dict)  # variables vLLM's processes must see
 
+    def with_args(self, **changes) -> "EngineSetup":
+        """The same engine with some arguments changed (benchmarks, tests)."""
+        return EngineSetup({**self.args, **changes}, self.env)
+
 
 def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
                  env: Mapping[str, str] | None = None) -> EngineSetup:

@@ -173,14 +173,13 @@ async def test_the_model_runs_in_the_devices_dtype_and_small_cpus_use_every_core
 async def test_float16_and_float32_give_the_embedded_model_the_same_greedy_replies(engines):
     """float16 is the CPU default only because it is faster with the same replies
     (launch.cpu_dtype): a second engine in the other dtype must answer token for token alike."""
-    from engine.launch import EngineSetup
     from engine.llm import PresetEngine
 
     ours = engines.for_profile("Throughput-first")
     dtype = str(ours.llm.model_config.dtype).removeprefix("torch.")
-    other = PresetEngine("other-dtype", EngineSetup({
-        **ours.setup.args, "dtype": "float32" if dtype == "float16" else "float16",
-        "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4}))
+    other = PresetEngine("other-dtype", ours.setup.with_args(
+        dtype="float32" if dtype == "float16" else "float16",
+        kv_cache_memory_bytes=256 << 20, max_num_seqs=4))
     await other.start()
     try:
         assert {str(e.llm.model_config.dtype) for e in (ours, other)} == {

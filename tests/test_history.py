@@ -13,7 +13,7 @@ from chat.session import Conversation
 from engine import ChatError, ChatFormatter, Message, load_config
 from engine.history import fit_history
 from engine.model import prepare_embedded
-from tests import tiny_qwen3
+from tools import tiny_qwen3
 
 SYSTEM = "You are helpful."
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from engine import Engines
-from engine.launch import EngineSetup, Machine, engine_setup
+from engine.launch import Machine, engine_setup
 from engine.llm import PresetEngine
 from engine.model import resolve_model
 from engine.pool import RESTART_BACKOFF_S
@@ -45,8 +45,8 @@ async def test_a_start_cancelled_midway_leaves_no_engine_process(config):
     build must shut its engine down itself once it finishes."""
     setup = engine_setup(config, config.presets["latency-first"],
                          await asyncio.to_thread(resolve_model, config.model), Machine.here())
-    engine = PresetEngine("cancelled", EngineSetup(
-        {**setup.args, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 4}, setup.env))
+    engine = PresetEngine("cancelled", setup.with_args(kv_cache_memory_bytes=256 << 20,
+                                                       max_num_seqs=4))
     before = engine_cores()
     task = asyncio.create_task(engine.start())
     deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ from engine import Message, TurnStats
 from engine.history import fit_history
 from engine.launch import EngineSetup
 from engine.llm import PresetEngine
-from tests import tiny_qwen3
+from tools import tiny_qwen3
 
 
 @pytest.fixture(scope="module")

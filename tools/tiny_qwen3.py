@@ -5,7 +5,7 @@ Test double for Qwen3-4B-Instruct-2507, which cannot be downloaded here: same ar
 tokens, a ChatML chat template, but 2 layers of random weights. Its replies are noise;
 what it proves is that the target model's code path and chat format run through vLLM.
 
-    python -m tests.tiny_qwen3 /tmp/tiny-qwen3
+    python -m tools.tiny_qwen3 /tmp/tiny-qwen3
 """
 
 from __future__ import annotations
