@@ -20,8 +20,8 @@ from chat.input import check_message
 from chat.session import Conversation
 from chat.shutdown import Shutdown
 from chat.streaming import Coalescer, Pace
-from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, STAND_IN, STARTING, UNEXPECTED,
-                       WITHDRAWN, queued_notice, reply_metadata, stats_line)
+from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, RANDOM_WEIGHTS, STAND_IN, STARTING,
+                       UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata, stats_line)
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
 
@@ -95,6 +95,8 @@ async def chat_start() -> None:
     await settings_panel(conv).send()
     if ENGINES.stand_in:
         await cl.Message(content=STAND_IN).send()
+    elif CONFIG.random_weights:
+        await cl.Message(content=RANDOM_WEIGHTS).send()
     if ENGINES.state == "starting":  # a note that goes once the model is ready
         note = await cl.Message(content=STARTING).send()
         cl.user_session.set("starting", asyncio.create_task(remove_when_ready(note)))

@@ -23,7 +23,9 @@ def whole_number(text: str) -> int:
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--presets", nargs="*", help="presets to measure (default: those in use)")
-    p.add_argument("--paths", nargs="+", default=["engine", "app"], choices=["engine", "app"])
+    p.add_argument("--paths", nargs="+", default=["engine", "app"],
+                   choices=["raw", "engine", "app"],
+                   help="raw: vLLM's AsyncLLM straight, the anchor for engine/'s own cost")
     p.add_argument("--levels", type=whole_number, nargs="+", default=[1, 4, 16, 32, 64],
                    help="concurrent users")
     p.add_argument("--workloads", nargs="+", default=["chat", "mixed"],
@@ -47,13 +49,36 @@ def parser(description: str) -> argparse.ArgumentParser:
                         "taking turns between the presets")
     p.add_argument("--min-requests", type=whole_number, default=4,
                    help="requests per run at least (low levels would be too noisy)")
+    p.add_argument("--long-words", type=whole_number, nargs=2, default=[1200, 1200],
+                   metavar=("LOW", "HIGH"),
+                   help="the mixed workload's long prompts, in words (~1.16 tokens each)")
+    p.add_argument("--paired", type=whole_number, nargs="*", default=None, metavar="LEVEL",
+                   help="run the paths side by side at every level, each level's runs in "
+                        "neighbouring pairs, --repeats times at these levels (once at the "
+                        "others), instead of the CPU plan's 32-user headline runs")
+    p.add_argument("--headline-users", type=whole_number, default=32,
+                   help="the level where the presets' mixed runs take turns")
+    p.add_argument("--ceiling-sessions", type=whole_number, default=64,
+                   help="sessions in the app layer's ceiling run (stand-in engine)")
     return p
 
 
-def parse_args(argv: list[str], config, description: str = "") -> argparse.Namespace:
+# What `make bench` measures on a GPU (H200, Qwen3-4B shapes): the levels, reply length and
+# long prompts (4-8k tokens) the GPU issue names, every path side by side.
+GPU_DEFAULTS = {"levels": [1, 8, 32, 64, 128, 256], "output_len": 256, "mixed_max_users": 256,
+                "long_words": [3500, 6900], "paths": ["raw", "engine", "app"],
+                "app_workloads": ["chat", "mixed"], "paired": [1, 64, 256], "repeats": 3,
+                "headline_users": 64, "ceiling_sessions": 256, "preset_repeats": 2}
+
+
+def parse_args(argv: list[str], config, description: str = "", gpu: bool = False
+               ) -> argparse.Namespace:
     """The options in `argv`, checked against each other and against `config`'s presets;
-    exits with status 2 and a one-line reason otherwise (argparse's way)."""
+    exits with status 2 and a one-line reason otherwise (argparse's way). `gpu`: the
+    defaults are GPU_DEFAULTS."""
     p = parser(description)
+    if gpu:
+        p.set_defaults(**GPU_DEFAULTS)
     args = p.parse_args(argv)
     known = [preset.name for preset in config.used_presets()]  # those the app can serve
     for name in args.presets or []:
@@ -64,6 +89,8 @@ def parse_args(argv: list[str], config, description: str = "") -> argparse.Names
         p.error("--presets: name at least one preset, or leave the option out")
     if Path(args.name).name != args.name or args.name in (".", ".."):
         p.error(f"--name: {args.name!r} must be a plain file name (results go to bench/results)")
+    if args.long_words[0] > args.long_words[1]:
+        p.error(f"--long-words {args.long_words[0]} {args.long_words[1]}: LOW above HIGH")
     if "mixed" in args.workloads and not any(lv <= args.mixed_max_users for lv in args.levels):
         p.error(f"--mixed-max-users {args.mixed_max_users}: below every level in --levels, "
                 "so the mixed workload would not run at all")

@@ -69,6 +69,52 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
     return timings, time.monotonic() - started
 
 
+async def drive_raw(engine: PresetEngine, requests: list[Request], concurrency: int,
+                    progress=None) -> tuple[list[RequestTiming], float]:
+    """As drive_engine, but straight into the engine's vLLM AsyncLLM: the same prompts
+    (token ids, fitted beforehand) and sampling, without engine/'s stream around it. The
+    anchor that engine/'s own cost is measured against."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = engine.llm
+    prompts = {id(r): one_message(engine, r.prompt, r.output_len) for r in requests}
+    queue = list(reversed(requests))
+    timings: list[RequestTiming] = []
+    await llm.reset_prefix_cache()
+
+    async def user(n: int):
+        while queue:
+            req = queue.pop()
+            prompt = prompts[id(req)]
+            await _arrive(req, started)
+            params = SamplingParams(max_tokens=prompt.max_tokens, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA, **SAMPLING)
+            t = RequestTiming(sent=time.monotonic())
+            timings.append(t)
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
+                                          params, f"raw-{n}-{len(timings)}-{time.time_ns()}"):
+                completion = out.outputs[0]
+                t.output_tokens += len(completion.token_ids)
+                if completion.text:
+                    t.chunks.append(time.monotonic())
+            if progress:
+                progress.update(1)
+
+    started = time.monotonic()
+    await asyncio.gather(*[user(i) for i in range(concurrency)])
+    return timings, time.monotonic() - started
+
+
+async def run_raw(engine: PresetEngine, requests: list[Request], concurrency: int,
+                  progress=None) -> dict:
+    """One run on the raw vLLM path (see drive_raw)."""
+    engine.step_stats.reset()
+    result = summarize(*await drive_raw(engine, requests, concurrency, progress))
+    result["engine"] = engine_view(engine)
+    return result
+
+
 async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
                      progress=None) -> dict:
     """One run on the engine path: its metrics and the scheduler's view of it."""

@@ -44,7 +44,6 @@ from engine.model import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHING_PRESET = "throughput-first"  # the preset whose promise is batching
-HEADLINE_USERS = 32
 SETTLE_S = 1.0
 # The app path's server gets the environment this process started with: starting an engine
 # in-process makes vLLM set variables (LD_PRELOAD, thread settings) that a server started
@@ -52,11 +51,12 @@ SETTLE_S = 1.0
 ENV_AT_START = dict(os.environ)
 
 
-def single_preset_profiles(source: Path, preset: str) -> Path:
-    """A profiles file holding only `preset` (whole memory) and the profiles that use it,
-    with the benchmark's sampling and system prompt, so both paths send the same requests."""
+def single_preset_profiles(source: Path, preset: str, share: float = 1.0) -> Path:
+    """A profiles file holding only `preset` (`share` of the memory) and the profiles that
+    use it, with the benchmark's sampling and system prompt, so both paths send the same
+    requests."""
     raw = yaml.safe_load(source.read_text())
-    raw["presets"] = {preset: {**raw["presets"][preset], "memory_share": 1.0}}
+    raw["presets"] = {preset: {**raw["presets"][preset], "memory_share": share}}
     raw["profiles"] = [
         {**p, "system_prompt": SYSTEM_PROMPT, "sampling": {**p.get("sampling", {}), **SAMPLING}}
         for p in raw["profiles"] if p["preset"] == preset]
@@ -89,8 +89,9 @@ def levels(args, workload: str) -> list[int]:
 def requests(args, workload: str, level: int, repeat: int = 0) -> list:
     """Each level and each repeat its own prompts: vLLM's prefix cache would skip the prefill
     of prompts an engine has seen (the app's engine cannot be reset from here)."""
+    extra = {"long_words": tuple(args.long_words)} if workload == "mixed" else {}
     return WORKLOADS[workload](max(level, args.min_requests), args.output_len,
-                               seed=level + 1000 * repeat)
+                               seed=level + 1000 * repeat, **extra)
 
 
 async def headline_runs(args, repeats: int, label: str, bar, engine_run, app_run,
@@ -145,8 +146,9 @@ async def warm_up(args, run) -> None:
 
 
 def interleaved(args) -> bool:
-    """The headline runs take turns (`headline_runs`) when the engine path runs chat."""
-    return "chat" in args.workloads
+    """The headline runs take turns (`headline_runs`) when the engine path runs chat (the
+    CPU plan; --paired pairs the paths at every level instead)."""
+    return "chat" in args.workloads and args.paired is None
 
 
 def presets_interleaved(args, presets: list[str]) -> bool:
@@ -168,6 +170,8 @@ def headline_skip(args) -> set:
 
 def engine_skip(args, presets: list[str]) -> set:
     """The engine path's runs that are interleaved with others instead of run in the sweep."""
+    if args.paired is not None:  # every run in the sweep (the presets' turns come on top)
+        return set()
     mixed = {("mixed", headline_level(args))} if presets_interleaved(args, presets) else set()
     return headline_skip(args) | mixed
 
@@ -179,11 +183,43 @@ def headline_repeats(args, batching: bool) -> int:
 
 
 def headline_level(args) -> int:
-    return HEADLINE_USERS if HEADLINE_USERS in args.levels else max(args.levels)
+    return args.headline_users if args.headline_users in args.levels else max(args.levels)
+
+
+async def paired_sweep(args, bar, label: str, runners: dict) -> tuple[dict, dict]:
+    """Every workload at every level through each path in `runners` (route -> run), the
+    paths one after the other on the same requests; --repeats times at the --paired levels.
+    Returns the kept runs per route and each level's neighbouring-pair ratios."""
+    kept = {route: {} for route in runners}
+    pairs = {}
+    for workload in args.workloads:
+        for level in levels(args, workload):
+            key = f"{workload}@{level}"
+            done = {route: [] for route in runners}
+            repeats = args.repeats if level in args.paired else 1
+            for i in range(repeats):
+                reqs = requests(args, workload, level, repeat=i)
+                for route, run in runners.items():
+                    if route == "raw" and workload != "chat":
+                        continue  # the anchor is for the chat workload
+                    if route == "app" and workload not in args.app_workloads:
+                        continue
+                    bar.set_description(f"{label} {route} {key} ({i + 1}/{repeats})")
+                    await asyncio.sleep(SETTLE_S)
+                    done[route].append(await run(reqs, level))
+            for route, runs in done.items():
+                if runs:
+                    kept[route][key] = {**median_run(runs),
+                                        "repeats_tok_s": [r["tok_s"] for r in runs]}
+            pairs[key] = {f"{a}_over_{b}": [round(x["tok_s"] / y["tok_s"], 3)
+                                             for x, y in zip(done[a], done[b])]
+                          for a, b in (("engine", "raw"), ("app", "engine"))
+                          if done.get(a) and done.get(b)}
+    return kept, pairs
 
 
 async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
-                       engine: PresetEngine, skip: set) -> dict:
+                       engine: PresetEngine, skip: set, app_share: float = 1.0) -> dict:
     """One preset: its in-process engine (engine path) and, started beside it, the app
     serving only this preset (app path). Only one engine works at any time; an idle
     engine costs ~0.01 core here. `skip`: the engine path's runs done elsewhere."""
@@ -197,13 +233,14 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
 
         bar.set_description(f"{preset_name} engine warm-up")
         await warm_up(args, lambda reqs, level: paths.run_engine(engine, reqs, level))
-        result["engine"] = await sweep(args, args.workloads, f"{preset_name} engine", bar,
-                                       engine_run, skip)
+        if args.paired is None:
+            result["engine"] = await sweep(args, args.workloads, f"{preset_name} engine", bar,
+                                           engine_run, skip)
         app_run = None
         if "app" in args.paths:
             from tools.chainlit_client import Server
 
-            profiles = single_preset_profiles(Path(config.source), preset_name)
+            profiles = single_preset_profiles(Path(config.source), preset_name, app_share)
             profile = next(p.name for p in config.profiles if p.preset == preset_name)
             kv_gib = config.memory.cpu_kv_cache_gib * preset.memory_share
             server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
@@ -220,8 +257,16 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
             bar.set_description(f"{preset_name} app warm-up")
             await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs,
                                                                   level))
-            result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app", bar,
-                                        app_run, headline_skip(args))
+            if args.paired is None:
+                result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app",
+                                            bar, app_run, headline_skip(args))
+        if args.paired is not None:
+            runners = {"raw": lambda reqs, level: paths.run_raw(engine, reqs, level, bar),
+                       "engine": engine_run, "app": app_run}
+            kept, result["pairs"] = await paired_sweep(
+                args, bar, preset_name,
+                {r: run for r, run in runners.items() if r in args.paths and run})
+            result.update(kept)
         if interleaved(args):
             head = await headline_runs(
                 args, headline_repeats(args, baseline), preset_name, bar, engine_run,
@@ -248,13 +293,20 @@ async def preset_runs(args, engines: dict[str, PresetEngine], bar) -> dict:
     level = headline_level(args)
     names = list(engines)
     done: dict[str, list] = {n: [] for n in names}
+    top = max(args.levels)
+    chat_top: dict[str, list] = {n: [] for n in names}
     for i in range(args.preset_repeats):
         reqs = requests(args, "mixed", level, repeat=i)
         for name in (names if i % 2 == 0 else names[::-1]):
             bar.set_description(f"{name} engine mixed x{level} ({i + 1}/{args.preset_repeats})")
             await asyncio.sleep(SETTLE_S)
             done[name].append(await paths.run_engine(engines[name], reqs, level, bar))
-    return done
+            if args.paired is not None:  # the batching promise at the top level too
+                bar.set_description(f"{name} engine chat x{top} ({i + 1}/{args.preset_repeats})")
+                await asyncio.sleep(SETTLE_S)
+                chat_top[name].append(await paths.run_engine(
+                    engines[name], requests(args, "chat", top, repeat=10 + i), top, bar))
+    return done, chat_top
 
 
 def headline(runs: dict, top: int, presets_pairs: dict | None = None) -> dict:
@@ -278,9 +330,17 @@ def headline(runs: dict, top: int, presets_pairs: dict | None = None) -> dict:
             out["presets"][name] = {k: round(float(np.median([f[k] for f in figures])), 2)
                                     for k in figures[0]}
     if presets_pairs:  # neighbouring runs' ratios (keep_preset_runs), their medians
-        out["presets_itl_p95_ratio"] = round(float(np.median(presets_pairs["itl_p95_ratio"])), 3)
-        out["presets_tok_s_ratio"] = round(float(np.median(presets_pairs["tok_s_ratio"])), 3)
+        for key in ("itl_p95_ratio", "tok_s_ratio", "chat_top_tok_s_ratio"):
+            if key in presets_pairs:
+                out[f"presets_{key}"] = round(float(np.median(presets_pairs[key])), 3)
         out["presets_pairs"] = presets_pairs
+    for name, r in runs.items():  # --paired: each level's ratios, medians of the pairs
+        for key, ratios in (r.get("pairs") or {}).items():
+            for what, values in ratios.items():
+                if values:
+                    out.setdefault("paired", {}).setdefault(name, {}).setdefault(key, {})[
+                        what] = {"median": round(float(np.median(values)), 3),
+                                 "pairs": len(values)}
     return out
 
 
@@ -290,7 +350,8 @@ def preset_figures(run: dict) -> dict:
             "itl_p95_ms": run["itl_ms"]["p95"]}
 
 
-def keep_preset_runs(runs: dict, done: dict[str, list], top: int) -> dict | None:
+def keep_preset_runs(runs: dict, done: dict[str, list], top: int,
+                     chat_top: dict[str, list] | None = None) -> dict | None:
     """Store the interleaved mixed runs: per preset the median run (by tokens/s) with every
     repeat's figures; for latency-first and throughput-first, each neighbouring pair's
     ITL p95 ratio (latency-first's over throughput-first's) and tokens/s ratio (the other
@@ -301,9 +362,27 @@ def keep_preset_runs(runs: dict, done: dict[str, list], top: int) -> dict | None
     fast, big = done.get("latency-first"), done.get("throughput-first")
     if not (fast and big):
         return None
-    return {"itl_p95_ratio": [round(f["itl_ms"]["p95"] / b["itl_ms"]["p95"], 3)
-                              for f, b in zip(fast, big)],
-            "tok_s_ratio": [round(b["tok_s"] / f["tok_s"], 3) for f, b in zip(fast, big)]}
+    out = {"itl_p95_ratio": [round(f["itl_ms"]["p95"] / b["itl_ms"]["p95"], 3)
+                             for f, b in zip(fast, big)],
+           "tok_s_ratio": [round(b["tok_s"] / f["tok_s"], 3) for f, b in zip(fast, big)]}
+    fast, big = (chat_top or {}).get("latency-first"), (chat_top or {}).get("throughput-first")
+    if fast and big:
+        out["chat_top_tok_s_ratio"] = [round(b["tok_s"] / f["tok_s"], 3)
+                                       for f, b in zip(fast, big)]
+        out["chat_top_tok_s"] = {"latency-first": [f["tok_s"] for f in fast],
+                                 "throughput-first": [b["tok_s"] for b in big]}
+    return out
+
+
+def versions() -> dict:
+    """The versions the figures were measured with (and the GPU, where there is one)."""
+    import torch
+    import vllm
+
+    out = {"torch": torch.__version__, "vllm": vllm.__version__}
+    if torch.cuda.is_available():
+        out["gpu_name"] = torch.cuda.get_device_name(0)
+    return out
 
 
 def plot(runs: dict, levels: list[int], path: Path) -> None:
@@ -314,9 +393,9 @@ def plot(runs: dict, levels: list[int], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for preset, r in runs.items():
-        for route, style in (("engine", "-o"), ("app", "--s")):
+        for route, style in (("raw", ":^"), ("engine", "-o"), ("app", "--s")):
             for workload in ("chat", "mixed"):
-                pts = [(lv, r[route].get(f"{workload}@{lv}")) for lv in levels]
+                pts = [(lv, r.get(route, {}).get(f"{workload}@{lv}")) for lv in levels]
                 pts = [(lv, x) for lv, x in pts if x]
                 if not pts:
                     continue
@@ -352,16 +431,26 @@ async def main(args, config) -> None:
     started = time.monotonic()
     runs, engines, presets_pairs = {}, {}, None
     model, machine = resolve_model(config.model), Machine.here()
+    # On a GPU every engine takes its slice of the GPU's memory: the presets' in-process
+    # engines (all up at the end, for the presets' turns) and the app server's one.
+    slices = len(presets) + ("app" in args.paths)
+    gpu_share = 1.0 / slices if machine.gpu else 1.0
     with tqdm(total=total, unit="req") as bar:
         try:
             for name in presets:
-                engines[name] = PresetEngine(name, engine_setup(config, config.presets[name],
-                                                                model, machine))
+                setup = engine_setup(config, config.presets[name], model, machine)
+                if machine.gpu:
+                    setup = setup.with_args(gpu_memory_utilization=round(
+                        config.memory.gpu_memory_utilization * gpu_share, 4))
+                engines[name] = PresetEngine(name, setup)
                 runs[name] = await bench_preset(args, config, name, name == batching, bar,
-                                                engines[name], engine_skip(args, presets))
+                                                engines[name], engine_skip(args, presets),
+                                                gpu_share)
+                RESULTS.mkdir(exist_ok=True)  # what is done so far, should a later step fail
+                (RESULTS / f"{args.name}.partial.json").write_text(json.dumps(runs) + "\n")
             if presets_interleaved(args, presets):
-                presets_pairs = keep_preset_runs(runs, await preset_runs(args, engines, bar),
-                                                 top)
+                done, chat_top = await preset_runs(args, engines, bar)
+                presets_pairs = keep_preset_runs(runs, done, top, chat_top)
         finally:
             for engine in engines.values():
                 engine.shutdown()
@@ -370,12 +459,14 @@ async def main(args, config) -> None:
             from bench.ui_ceiling import ceiling_runs
 
             bar.set_description("app layer ceiling (stand-in engine)")
-            ceiling = await ceiling_runs()
+            # The uncoalesced comparison is the CPU's story (BENCHMARKS.md); on a GPU machine
+            # one run at the product's setting.
+            ceiling = await ceiling_runs(args.ceiling_sessions, uncoalesced=not machine.gpu)
     result = {
         **headline(runs, top, presets_pairs),
         "ui_ceiling": ceiling,
         "machine": {"arch": platform.machine(), "cores": os.cpu_count(),
-                    "gpu": machine.gpu, "python": platform.python_version()},
+                    "gpu": machine.gpu, "python": platform.python_version(), **versions()},
         "model": model,
         "command": "python -m bench.run " + " ".join(sys.argv[1:]),
         "settings": {"levels": args.levels, "workloads": args.workloads,
@@ -383,7 +474,10 @@ async def main(args, config) -> None:
                      "output_len": args.output_len, "min_requests": args.min_requests,
                      "repeats": args.repeats, "repeats_other": args.repeats_other,
                      "preset_repeats": args.preset_repeats,
-                     "mixed_max_users": args.mixed_max_users},
+                     "mixed_max_users": args.mixed_max_users, "paths": args.paths,
+                     "long_words": args.long_words, "paired": args.paired,
+                     "headline_users": args.headline_users,
+                     "engine_gpu_memory_share": gpu_share if machine.gpu else None},
         "duration_s": round(time.monotonic() - started, 1),
         "runs": runs,
     }
@@ -396,6 +490,7 @@ async def main(args, config) -> None:
 if __name__ == "__main__":
     try:
         config = load_config()
-        asyncio.run(main(parse_args(sys.argv[1:], config, __doc__.splitlines()[0]), config))
+        gpu = Machine.here().gpu
+        asyncio.run(main(parse_args(sys.argv[1:], config, __doc__.splitlines()[0], gpu), config))
     except ChatError as exc:  # the profiles file, the model, an engine that failed
         sys.exit(f"error: {exc}")

@@ -2,7 +2,7 @@
 
 - chat: short prompts, every reply exactly `output_len` tokens (ignore_eos).
 - mixed: the same chat turns, and every `long_every`-th request instead carries a long
-  prompt (about `long_prompt_words` words) sent after a seeded delay of 0.5-3 s, so long
+  prompt (`long_words` words) sent after a seeded delay of 0.5-3 s, so long
   prefills arrive while the others decode: where the presets' token budgets differ.
 """
 
@@ -39,12 +39,15 @@ def chat(n: int, output_len: int = 64, seed: int = 0) -> list[Request]:
 
 
 def mixed(n: int, output_len: int = 64, seed: int = 0, long_every: int = 4,
-          long_prompt_words: int = 1200) -> list[Request]:
+          long_words: tuple[int, int] = (1200, 1200)) -> list[Request]:
+    """`long_words`: the long prompts' length in words, drawn from this range (a filler
+    word is about 1.3 tokens with either tokenizer here)."""
     rng = random.Random(seed)
     out = []
     for i, req in enumerate(chat(n, output_len, seed)):
         if i % long_every == long_every - 1:
-            words = " ".join(rng.choice(FILLER) for _ in range(long_prompt_words))
+            count = rng.randint(*long_words)
+            words = " ".join(rng.choice(FILLER) for _ in range(count))
             out.append(Request(f"Summarise this text: {words}", output_len, long=True,
                                delay_s=round(rng.uniform(0.5, 3.0), 2)))
         else:

@@ -15,6 +15,8 @@ CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again 
              "back for a full reply.*")
 STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
             "filler text produced at a set speed to measure the chat layer.")
+RANDOM_WEIGHTS = ("**Test mode:** this server runs the model with random weights (its real "
+                  "size and speed, but no training). Replies are random text, not answers.")
 
 
 def stats_line(stats: TurnStats, profile: str) -> str:

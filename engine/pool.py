@@ -197,7 +197,8 @@ class Engines:
             e["healthy"] for e in engines.values())
         status = "ok" if ok else ("restarting" if self._restarting else self.state)
         return {"status": status, "engines": engines, "model": self.model,
-                "engine": StandInEngine.label if self.stand_in else "vllm"}
+                "engine": StandInEngine.label if self.stand_in else "vllm",
+                "random_weights": self.config.random_weights}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
             system_prompt: str, max_tokens: int) -> Prompt:

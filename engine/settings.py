@@ -82,6 +82,9 @@ SETTINGS = {s.name: s for s in (
             overrides="vllm.enforce_eager"),
     Setting("VCHAT_KV_CACHE_GIB", number(0, above=True), None,
             "KV cache for all engines without a GPU, GiB", overrides="memory.cpu_kv_cache_gib"),
+    Setting("VCHAT_GPU_MEMORY", number(0, above=True), None,
+            "share of the GPU's memory for all engines together",
+            overrides="memory.gpu_memory_utilization"),
     Setting("VCHAT_CACHE_DIR", text, None, "where the embedded model is prepared "
             "(default ~/.cache/vchat)"),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",

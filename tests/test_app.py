@@ -62,6 +62,10 @@ async def test_a_turn_streams_tokens_and_ends(server, config):
     assert meta["preset"] == "latency-first" and 0 < meta["output_tokens"] <= 32
     # The stats line under the reply.
     assert "tokens/s" in reply.reply["output"] and "Latency-first" in reply.reply["output"]
+    # A trained model: no "random weights" notice (tests/test_random_weights.py has that).
+    assert not any("random weights" in e.data.get("output", "") for e in c.events
+                   if e.name == "new_message")
+    assert (await server.ready_state())[1]["random_weights"] is False
     await c.close()
 
 

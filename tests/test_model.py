@@ -102,3 +102,35 @@ def test_a_hub_id_neither_cached_nor_reachable_is_explained_when_resolved(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "'someone/no-such-model' is not in the local Hugging Face cache" in done.stderr
+
+
+def test_the_dummy_qwen3_4b_has_the_real_shapes_and_tokenizer_and_loads_random(tmp_path,
+                                                                              monkeypatch):
+    from transformers import AutoTokenizer
+
+    from engine import load_config
+    from engine.launch import Machine, engine_setup
+
+    monkeypatch.setenv("VCHAT_CACHE_DIR", str(tmp_path))
+    folder = Path(model.resolve_model("qwen3-4b-dummy"))
+    cfg = json.loads((folder / "config.json").read_text())
+    assert (cfg["architectures"], cfg["num_hidden_layers"], cfg["hidden_size"],
+            cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+            cfg["vocab_size"], cfg["max_position_embeddings"]) == (
+        ["Qwen3ForCausalLM"], 36, 2560, 32, 8, 128, 151936, 262144)
+    assert not list(folder.glob("*.safetensors"))  # no weights: vLLM draws them
+    tok = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 151645 == tok.eos_token_id
+    assert model.resolve_model("qwen3-4b-dummy") == str(folder)  # built once, then reused
+
+    config = load_config(ROOT / "profiles.yaml", env={"VCHAT_MODEL": "qwen3-4b-dummy"})
+    assert config.random_weights
+    gpu = Machine(gpu=True, cores=16)
+    for name in (str(folder), "qwen3-4b-dummy"):  # the folder itself is known as random too
+        setup = engine_setup(config, config.presets["throughput-first"], name, gpu, env={})
+        assert setup.args["load_format"] == "dummy"
+    assert not load_config(ROOT / "profiles.yaml", env={}).random_weights

@@ -8,7 +8,7 @@ import pytest
 
 from engine import Message, TurnStats
 from engine.history import fit_history
-from engine.launch import EngineSetup
+from engine.launch import EngineSetup, has_cuda
 from engine.llm import PresetEngine
 from tools import tiny_qwen3
 
@@ -19,6 +19,9 @@ async def qwen_engine(tmp_path_factory):
     engine = PresetEngine("tiny-qwen3", EngineSetup({
         "model": str(folder), "enforce_eager": True, "max_model_len": 1024,
         "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8,
+        # On a GPU vLLM also wants its share of the memory free (the session's engines
+        # hold theirs).
+        **({"gpu_memory_utilization": 0.05} if has_cuda() else {}),
     }))
     await engine.start()
     yield engine

@@ -161,9 +161,10 @@ class Server:
         self.log_path.parent.mkdir(exist_ok=True)
         base = os.environ if base_env is None else base_env
         env = {**TEST_ENV, **base, **(extra_env or {})}  # the environment's own values win
-        chainlit = Path(sys.executable).parent / "chainlit"
+        chainlit = Path(sys.executable).parent / "chainlit"  # else a --target install
+        command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
         self.proc = subprocess.Popen(
-            [str(chainlit), "run", "app.py", "--headless", "--port", str(self.port)],
+            command + ["run", "app.py", "--headless", "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
 

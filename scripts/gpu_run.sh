@@ -1,0 +1,55 @@
+#!/bin/bash
+# The product's steps on the H200 machine (no package registry there): unpack the bundles
+# that scripts/gpu_bundle.sh built into .gpu/, then run the named steps, writing what they
+# produce into OUT. Run from the repository root:
+#   scripts/gpu_run.sh OUT tests [PYTEST ARGS...]  the test suite on the GPU (tiny Qwen3)
+#   scripts/gpu_run.sh OUT bench [BENCH ARGS...]   make bench's runs, dummy Qwen3-4B weights
+#   scripts/gpu_run.sh OUT speed [ARGS...]         bench.engine_speed, dummy Qwen3-4B
+#   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
+#                                                  checkout, its own session), into DIR
+#   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
+# Through the device tool: run(command="scripts/gpu_run.sh $OUT tests", carry=[".gpu"]).
+# A bench (~15 min) outlasts one device call (10 min): bench-start it, then `wait` in the
+# next calls while the machine is still warm.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_run.sh OUT STEP [ARGS...]}; step=${2:?STEP: tests, bench or speed}
+shift 2
+mkdir -p "$out" /tmp/site
+if [ ! -f /tmp/site/.unpacked ]; then  # once per machine: ~5 s
+  for bundle in .gpu/site.tar.xz .gpu/app.tar.xz; do xz -dc "$bundle" | tar -x -C /tmp/site || exit 1; done
+  mkdir -p /tmp/site/chainlit/copilot/dist && touch /tmp/site/chainlit/copilot/dist/index.html
+  touch /tmp/site/.unpacked
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# flashinfer does not travel; NVLink multicast stays off on these shared machines.
+export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1
+export VCHAT_CACHE_DIR=/tmp/vchat-cache
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, vllm, chainlit; print(sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__, "chainlit", chainlit.__version__ if hasattr(chainlit, "__version__") else "")'
+} 2>&1 | tee "$out/versions.txt"
+case "$step" in
+  tests)  # the tiny Qwen3 checkpoint (2 layers, Qwen's tokenizer): every test's engine
+    tiny=$(python3 -m tools.tiny_qwen3 "$VCHAT_CACHE_DIR/tiny-qwen3" | tail -1)
+    VCHAT_MODEL=$tiny VCHAT_GPU_MEMORY=${VCHAT_GPU_MEMORY:-0.2} \
+      python3 -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$out/tests.log" ;;
+  bench)
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.run --name gpu-h200 "$@" 2>&1 | tee "$out/bench.log" \
+      | grep -v '^\s*$' | tail -5
+    cp bench/results/gpu-h200* "$out/" 2>/dev/null ;;
+  bench-start)
+    rm -rf /tmp/bench-checkout && cp -r . /tmp/bench-checkout && cd /tmp/bench-checkout \
+      && setsid nohup bash -c "scripts/gpu_run.sh '$out' bench $*; touch '$out/done'" \
+        > "$out/bench-start.log" 2>&1 < /dev/null &
+    echo "bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
+  wait)
+    dir=${1:?wait DIR [SECONDS]}; limit=${2:-540}; waited=0
+    while [ ! -f "$dir/done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
+    [ -f "$dir/done" ] && echo "bench finished" || echo "bench still running after ${waited} s"
+    tail -c 3000 "$dir/bench.log"
+    cp "$dir"/gpu-h200* "$dir"/bench.log "$out/" 2>/dev/null ;;
+  speed)
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.engine_speed --out "$out/speed.json" "$@" \
+      > "$out/speed.log" 2>&1; tail -30 "$out/speed.log" ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
