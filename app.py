@@ -219,7 +219,7 @@ async def stream_reply(conv: Conversation, prompt: Prompt, reply: cl.Message,
             if isinstance(item, TurnStats):
                 stats = item
             else:
-                await out.add(item)
+                await out.feed(item)  # pulls the engine once per update
         await out.close()
     finally:
         out.discard()  # stopped or failed: what was not shown yet is not sent

@@ -109,17 +109,19 @@ async def drive_raw(engine: PresetEngine, requests: list[Request], concurrency: 
 async def run_raw(engine: PresetEngine, requests: list[Request], concurrency: int,
                   progress=None) -> dict:
     """One run on the raw vLLM path (see drive_raw)."""
-    engine.step_stats.reset()
-    result = summarize(*await drive_raw(engine, requests, concurrency, progress))
-    result["engine"] = engine_view(engine)
-    return result
+    return await _measured(drive_raw, engine, requests, concurrency, progress)
 
 
 async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
                      progress=None) -> dict:
     """One run on the engine path: its metrics and the scheduler's view of it."""
+    return await _measured(drive_engine, engine, requests, concurrency, progress)
+
+
+async def _measured(drive, engine: PresetEngine, requests: list[Request], concurrency: int,
+                    progress) -> dict:
     engine.step_stats.reset()
-    result = summarize(*await drive_engine(engine, requests, concurrency, progress))
+    result = summarize(*await drive(engine, requests, concurrency, progress))
     result["engine"] = engine_view(engine)
     return result
 

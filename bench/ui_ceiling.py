@@ -15,16 +15,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
+import yaml
 
 from bench import paths
 from bench.cli import whole_number
 from bench.workloads import chat
-from tools.chainlit_client import Server
+from tools.chainlit_client import ROOT, Server
 
 PROFILE = "Throughput-first"  # the profile whose limits allow the longest replies
+PRESET = "throughput-first"
+
+
+def all_at_once(sessions: int) -> Path:
+    """The shipped profiles, with the stand-in's preset running `sessions` turns at once on
+    any device (the CPU preset's 128 would queue the rest, and refuse some)."""
+    raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+    preset = raw["presets"][PRESET]
+    for device in ("vllm", "vllm_cpu", "vllm_gpu"):
+        if "max_num_seqs" in (preset.get(device) or {}):
+            preset[device]["max_num_seqs"] = max(sessions, preset[device]["max_num_seqs"])
+    out = Path(tempfile.mkdtemp()) / "profiles.yaml"
+    out.write_text(yaml.safe_dump(raw))
+    return out
 
 
 async def ceiling(sessions: int = 64, tokens: int = 1000, rate: float = 1000.0,
@@ -32,7 +49,7 @@ async def ceiling(sessions: int = 64, tokens: int = 1000, rate: float = 1000.0,
     """One turn of `tokens` tokens per session, all sessions at once, stand-in at `rate`
     tokens/s per stream. `interval_ms`: the app's coalescing interval (None: its default)."""
     env = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": str(rate),
-           "VCHAT_BENCH_IGNORE_EOS": "1"}
+           "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(all_at_once(sessions))}
     if interval_ms is not None:
         env["VCHAT_STREAM_INTERVAL_MS"] = str(interval_ms)
     server = Server(env)

@@ -74,6 +74,28 @@ class Coalescer:
         return min(self._pace.interval, max(self._pace.fastest, 2 * self._gap))
 
     async def add(self, text: str) -> None:
+        """Take a piece: sent at once when due, else held and sent by a timer."""
+        now = self._take(text)
+        wait = self._last_sent + self.interval - now
+        if wait <= 0:
+            await self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._flush_later)
+
+    async def feed(self, text: str) -> None:
+        """Take a piece and return once it is sent: at once when due, else after sleeping
+        until it is. The caller pulls its next piece only then, so a source that joins
+        pieces while nobody pulls (vLLM's per-request output collector; the stand-in)
+        hands over everything it made meanwhile as one piece: one pull per update rather
+        than one per engine step, through every layer between engine and socket. With
+        many streams every stream, fast or slow, then updates at the shared pace (on an
+        H200 at 256 streams: one pull per ~8 ms step each before; BENCHMARKS.md)."""
+        wait = self._last_sent + self.interval - self._take(text)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await self.flush()
+
+    def _take(self, text: str) -> float:
         now = time.monotonic()
         if self._last_piece is not None:
             self._gap = now - self._last_piece
@@ -82,11 +104,7 @@ class Coalescer:
             self._counted = True
             self._pace.streams += 1
         self._pending.append(text)
-        wait = self._last_sent + self.interval - now
-        if wait <= 0:
-            await self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(wait, self._flush_later)
+        return now
 
     def _flush_later(self) -> None:
         self._timer = None

@@ -80,17 +80,22 @@ class StandInEngine:
     async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
                      ignore_eos: bool = False, seed: int | None = None
                      ) -> AsyncIterator[str | TurnStats]:
-        """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s`."""
+        """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
+        clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
+        (the engine never waits for its readers)."""
         max_tokens = prompt.max_tokens
         request_id = f"stand-in-{uuid.uuid4().hex}"
         started, ttft, sent = time.monotonic(), None, 0
         self._unfinished += 1
         try:
             while sent < max_tokens:
-                await asyncio.sleep(self.step_s)
-                n = min(self.tokens_per_step, max_tokens - sent)
-                yield "".join(" " + WORDS[(sent + i) % len(WORDS)] for i in range(n))
-                sent += n
+                steps = int((time.monotonic() - started) / self.step_s)
+                due = min(max_tokens, steps * self.tokens_per_step)
+                if due <= sent:  # sleep until the next step makes tokens
+                    await asyncio.sleep(started + (steps + 1) * self.step_s - time.monotonic())
+                    continue
+                yield "".join(" " + WORDS[i % len(WORDS)] for i in range(sent, due))
+                sent = due
                 if ttft is None:
                     ttft = time.monotonic() - started
         finally:

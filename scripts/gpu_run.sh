@@ -29,10 +29,15 @@ export VCHAT_CACHE_DIR=/tmp/vchat-cache
   python3 -c 'import sys, torch, vllm, chainlit; print(sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__, "chainlit", chainlit.__version__ if hasattr(chainlit, "__version__") else "")'
 } 2>&1 | tee "$out/versions.txt"
 case "$step" in
-  tests)  # the tiny Qwen3 checkpoint (2 layers, Qwen's tokenizer): every test's engine
+  tests)  # the tiny Qwen3 checkpoint (2 layers, Qwen's tokenizer): every test's engine.
+    # Deselected: the conversion of the embedded CPU model, whose package (94 MB) does not fit
+    # a transfer; on a GPU `auto` is Qwen3-4B, tested by test_model's GPU case.
     tiny=$(python3 -m tools.tiny_qwen3 "$VCHAT_CACHE_DIR/tiny-qwen3" | tail -1)
     VCHAT_MODEL=$tiny VCHAT_GPU_MEMORY=${VCHAT_GPU_MEMORY:-0.2} \
-      python3 -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$out/tests.log" ;;
+      python3 -m pytest -p no:cacheprovider -ra \
+        --deselect tests/test_model.py::test_embedded_model_is_converted_once_and_then_reused \
+        --deselect tests/test_model.py::test_interrupted_or_outdated_preparation_is_redone \
+        "$@" 2>&1 | tee "$out/tests.log" ;;
   bench)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.run --name gpu-h200 "$@" 2>&1 | tee "$out/bench.log" \
       | grep -v '^\s*$' | tail -5

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from engine import ChatFormatter, Message
 from engine.history import fit_history
-from engine.model import prepare_embedded
+from engine.model import resolve_model
 from tools.chainlit_client import ChatClient, Server
 
 MAX_MODEL_LEN = 2048
@@ -31,8 +31,9 @@ async def server():
 
 
 @pytest.fixture(scope="module")
-def formatter():
-    return ChatFormatter(AutoTokenizer.from_pretrained(str(prepare_embedded())))
+def formatter(config):
+    """The chat format of the model the server runs (the embedded one, or VCHAT_MODEL's)."""
+    return ChatFormatter(AutoTokenizer.from_pretrained(resolve_model(config.model)))
 
 
 async def client(server, profile="Latency-first", **settings) -> ChatClient:

@@ -30,6 +30,15 @@ def test_defaults_are_what_make_bench_runs(config):
     args = parse_args(["--presets", "latency-first", "--levels", "1", "4", "--name", "smoke"],
                       config)
     assert args.presets == ["latency-first"] and args.levels == [1, 4]
+    assert args.paired is None  # the CPU plan: the 32-user headline runs
+
+
+def test_on_a_gpu_the_defaults_are_the_gpu_issues_levels_and_paired_paths(config):
+    args = parse_args([], config, gpu=True)
+    assert args.levels == [1, 8, 32, 64, 128, 256] and args.output_len == 256
+    assert args.paths == ["raw", "engine", "app"] and args.paired == [1, 64, 256]
+    assert args.long_words == [3500, 6900] and args.ceiling_sessions == 256
+    assert parse_args(["--repeats", "4"], config, gpu=True).repeats == 4  # options still win
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -41,6 +50,8 @@ def test_defaults_are_what_make_bench_runs(config):
     (["--presets"], "name at least one preset"),
     (["--name", "../elsewhere"], "must be a plain file name"),
     (["--levels", "64", "--mixed-max-users", "8"], "the mixed workload would not run"),
+    (["--long-words", "900", "100"], "--long-words 900 100: LOW above HIGH"),
+    (["--paths", "gpu"], "invalid choice: 'gpu'"),
 ])
 def test_bad_options_are_refused_with_the_reason(config, capsys, argv, words):
     assert words in refused(config, capsys, *argv)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from chat.session import Conversation
 from engine import ChatError, ChatFormatter, Message, load_config
 from engine.history import fit_history
-from engine.model import prepare_embedded
+from engine.model import resolve_model
 from tools import tiny_qwen3
 
 SYSTEM = "You are helpful."
@@ -20,7 +20,8 @@ SYSTEM = "You are helpful."
 
 @pytest.fixture(scope="module")
 def fmt():
-    return ChatFormatter(AutoTokenizer.from_pretrained(str(prepare_embedded())))
+    """The configured model's chat format (the embedded model's unless VCHAT_MODEL says)."""
+    return ChatFormatter(AutoTokenizer.from_pretrained(resolve_model(load_config().model)))
 
 
 def turns(n, words=50):

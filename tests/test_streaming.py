@@ -119,3 +119,28 @@ async def test_with_many_streams_a_fast_stream_keeps_the_short_interval():
     # One update per ~40 ms (about 10), not per 200 ms (about 2): the pieces are small and
     # many, so holding them longer would only make the text jump.
     assert len(sink.sent) >= 7, len(sink.sent)
+
+
+async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing():
+    # The stand-in, like vLLM, joins the tokens it made while nobody pulled.
+    from engine import Prompt
+    from engine.launch import EngineSetup
+    from engine.standin import StandInEngine
+
+    engine = StandInEngine("p", EngineSetup({"model": "unused"}), tokens_per_s=1000)
+    prompt = Prompt((), "", list(range(4)), 400, 400, 0)
+    pace = Pace(fastest=0.04, slowest=0.2)
+    pace.streams = 64  # many replies at once: the longest interval, 0.2 s
+    sink, pulls = Sink(), 0
+    out = Coalescer(sink.send, pace=pace)
+    async for item in engine.stream(prompt):
+        if isinstance(item, str):
+            pulls += 1
+            await out.feed(item)
+    await out.close()
+    words = sink.text.split()
+    assert len(words) == 400 and words[:3] == ["stand-in", "text", "for"]
+    # 400 tokens at 1,000/s take ~0.4 s: a handful of updates (the interval grows from
+    # 0.04 s to the pace's 0.2 s as the gap between pulls does), each one pull, where `add`
+    # would have pulled 400 times.
+    assert pulls == len(sink.sent) <= 10, (pulls, len(sink.sent))
