@@ -144,11 +144,6 @@ class PresetEngine:
         return self._require().output_processor.get_num_unfinished_requests()
 
     @property
-    def random_weights(self) -> bool:
-        """True when vLLM drew this engine's weights at random (replies are noise)."""
-        return self.setup.args.get("load_format") == "dummy"
-
-    @property
     def formatter(self) -> ChatFormatter:
         self._require()
         return self._formatter
