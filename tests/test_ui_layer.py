@@ -54,10 +54,12 @@ async def test_a_fast_stream_is_coalesced_into_few_events_and_loses_nothing(serv
 @pytest.fixture(scope="module")
 async def small_queue_server(tmp_path_factory):
     """A slow stand-in (10 tokens/s per stream, as a CPU model at 32 users). Latency-first
-    runs 12 turns at once on CPU; here at most 8 more may wait. Turns of 40 tokens last
-    4 s: far longer than 64 messages take to arrive."""
+    runs 12 turns at once (its CPU value, here on any device); at most 8 more may wait.
+    Turns of 40 tokens last 4 s: far longer than 64 messages take to arrive."""
     raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
-    raw["presets"]["latency-first"]["max_queued_turns"] = 8
+    fast = raw["presets"]["latency-first"]
+    fast["max_queued_turns"] = 8
+    fast["vllm_gpu"]["max_num_seqs"] = fast["vllm_cpu"]["max_num_seqs"] = 12
     path = tmp_path_factory.mktemp("profiles") / "profiles.yaml"
     path.write_text(yaml.safe_dump(raw))
     srv = Server({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "10",
