@@ -483,6 +483,7 @@ async def main(args, config) -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)  # superseded
     plot(runs, args.levels, RESULTS / f"{args.name}.png")
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
 

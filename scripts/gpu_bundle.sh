@@ -25,9 +25,10 @@ rm -rf "$stage" && mkdir -p "$stage/wheels" .gpu
   $(grep '# sdist' scripts/gpu-app-wheels.txt | cut -d' ' -f1)
 "$PY312" -m pip install -q --no-deps --no-compile --no-index --target "$stage/site" \
   "$stage"/wheels/*.whl
-# Not loaded by a server: source maps of the web page, the copilot widget, scripts.
+# Not loaded by a server: source maps of the web page, the copilot widget's code, scripts.
+# Its folder chainlit/copilot/dist stays: chainlit.server refuses to import without it.
 find "$stage/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$stage/site/chainlit" -name '*.map' -delete
-rm -rf "$stage/site/bin" "$stage/site/chainlit/copilot"
+rm -rf "$stage/site/bin" "$stage/site/chainlit/copilot/dist/"*
 tar -C "$stage/site" -cf - . | xz -6 -T2 > .gpu/app.tar.xz
 ls -l .gpu/*.tar.xz

@@ -17,7 +17,6 @@ shift 2
 mkdir -p "$out" /tmp/site
 if [ ! -f /tmp/site/.unpacked ]; then  # once per machine: ~5 s
   for bundle in .gpu/site.tar.xz .gpu/app.tar.xz; do xz -dc "$bundle" | tar -x -C /tmp/site || exit 1; done
-  mkdir -p /tmp/site/chainlit/copilot/dist && touch /tmp/site/chainlit/copilot/dist/index.html
   touch /tmp/site/.unpacked
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
