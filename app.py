@@ -16,6 +16,7 @@ from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
 from starlette.responses import JSONResponse
 
+from chat import stalls
 from chat.input import check_message
 from chat.session import Conversation
 from chat.shutdown import Shutdown
@@ -25,6 +26,9 @@ from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, RANDOM_WEIGHTS, STAND_I
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
 
+# Chainlit's Message and Step constructors block the event loop for 1 ms each: not here.
+stalls.skip_constructor_pause()
+
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
 
@@ -33,7 +37,9 @@ try:
     ENGINES = Engines(CONFIG)
     # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
     IGNORE_EOS = setting("VCHAT_BENCH_IGNORE_EOS")
+    SETTLING: set[asyncio.Task] = set()
     # A reply's streamed text goes out at most this often (chat/streaming.py); 0: every piece.
+    # Until the engines know their device (settle_after_start), the CPU's pace.
     PACE = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)
     # On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
     SHUTDOWN = Shutdown(setting("VCHAT_SHUTDOWN_GRACE_S"))
@@ -46,6 +52,21 @@ async def start_engines() -> None:
     """Start the engines in the background: the server answers while they load."""
     ENGINES.launch()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
+    SETTLING.add(task := asyncio.create_task(settle_after_start()))  # referenced till done
+    task.add_done_callback(SETTLING.discard)
+
+
+async def settle_after_start() -> None:
+    """Once the engines are up: the streaming pace for their device, and what the app and
+    its engines keep for life out of the collector's walks, which would otherwise stop
+    every session for a while (chat/stalls.py)."""
+    stalls.freeze_heap()
+    with contextlib.suppress(ChatError):  # a failed start is reported elsewhere
+        await ENGINES.ready()
+    PACE.events_per_s = setting("VCHAT_STREAM_EVENTS_PER_S") or Pace.events_for(bool(ENGINES.gpu))
+    log.info("streaming pace: %d updates/s in all before replies slow down; Chainlit's "
+             "constructor pause skipped: %s; %d long-lived objects out of garbage collection",
+             PACE.events_per_s, stalls.constructor_pause_skipped(), stalls.freeze_heap())
 
 
 @cl.on_app_shutdown

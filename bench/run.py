@@ -37,7 +37,9 @@ from bench import paths
 from bench.cli import parse_args
 from bench.metrics import summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
+from chat.stalls import freeze_heap
 from engine import ChatError, load_config
+from engine.config import Preset
 from engine.launch import Machine, engine_setup
 from engine.llm import PresetEngine
 from engine.model import resolve_model
@@ -51,12 +53,17 @@ SETTLE_S = 1.0
 ENV_AT_START = dict(os.environ)
 
 
-def single_preset_profiles(source: Path, preset: str, share: float = 1.0) -> Path:
+def single_preset_profiles(source: Path, preset: str, share: float = 1.0, users: int = 0
+                           ) -> Path:
     """A profiles file holding only `preset` (`share` of the memory) and the profiles that
     use it, with the benchmark's sampling and system prompt, so both paths send the same
-    requests."""
+    requests. The app's line in front of the engine holds all `users` (a user beyond
+    max_num_seqs + max_queued_turns would be told "busy": the product's choice, not the
+    batching this measures)."""
     raw = yaml.safe_load(source.read_text())
-    raw["presets"] = {preset: {**raw["presets"][preset], "memory_share": share}}
+    body = raw["presets"][preset]
+    queued = max(body.get("max_queued_turns", Preset.max_queued_turns), users)
+    raw["presets"] = {preset: {**body, "memory_share": share, "max_queued_turns": queued}}
     raw["profiles"] = [
         {**p, "system_prompt": SYSTEM_PROMPT, "sampling": {**p.get("sampling", {}), **SAMPLING}}
         for p in raw["profiles"] if p["preset"] == preset]
@@ -225,6 +232,10 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
     engine costs ~0.01 core here. `skip`: the engine path's runs done elsewhere."""
     preset = config.presets[preset_name]
     await engine.start()
+    # This process drives every path (and holds the in-process engine): a collection that
+    # walks its whole heap would stall the measurement, as it would stall the app without
+    # the app's own freeze (chat/stalls.py).
+    freeze_heap()
     result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
     server = None
     try:
@@ -240,12 +251,17 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
         if "app" in args.paths:
             from tools.chainlit_client import Server
 
-            profiles = single_preset_profiles(Path(config.source), preset_name, app_share)
+            profiles = single_preset_profiles(Path(config.source), preset_name, app_share,
+                                              max(args.levels))
             profile = next(p.name for p in config.profiles if p.preset == preset_name)
             kv_gib = config.memory.cpu_kv_cache_gib * preset.memory_share
+            # The same context length on both paths without a GPU; on one, each engine fits
+            # its own: the in-process engine's fitted length need not fit the app's slice
+            # (vLLM counts the memory other processes hold at its start).
+            fit = -1 if Machine.here().gpu else engine.max_model_len
             server = Server({"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
                              "VCHAT_KV_CACHE_GIB": str(kv_gib),
-                             "VCHAT_MAX_MODEL_LEN": str(engine.max_model_len),
+                             "VCHAT_MAX_MODEL_LEN": str(fit),
                              "VCHAT_ENFORCE_EAGER": "1" if engine.setup.args["enforce_eager"]
                              else "0"}, base_env=ENV_AT_START)
             bar.set_description(f"{preset_name} app starting")

@@ -73,6 +73,7 @@ class Engines:
         self._watchdog: asyncio.Task | None = None
         self._launch: asyncio.Task | None = None
         self.model: str | None = None
+        self.gpu: bool | None = None  # whether the engines run on a GPU, once known
         self.state = "stopped"  # stopped -> starting -> ready | failed
 
     async def start(self) -> None:
@@ -82,6 +83,7 @@ class Engines:
         try:
             self.model = await asyncio.to_thread(resolve_model, self.config.model)
             machine = await asyncio.to_thread(Machine.here)
+            self.gpu = machine.gpu
             for preset in self.config.used_presets():
                 engine = self.engine_class(
                     preset.name, engine_setup(self.config, preset, self.model, machine))

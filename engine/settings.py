@@ -89,6 +89,9 @@ SETTINGS = {s.name: s for s in (
             "(default ~/.cache/vchat)"),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",
             "shortest time between a reply's streamed updates; 0 sends every engine piece"),
+    Setting("VCHAT_STREAM_EVENTS_PER_S", whole(1), None,
+            "streamed updates a second for all replies together before each reply's "
+            "interval grows (default: 160 without a GPU, 2000 with one)"),
     Setting("VCHAT_SHUTDOWN_GRACE_S", number(0), "10",
             "on SIGTERM/Ctrl+C, how long replies being written may still take"),
     Setting("VCHAT_ENGINE", one_of("vllm", "stand-in"), "vllm",

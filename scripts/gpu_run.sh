@@ -5,6 +5,7 @@
 #   scripts/gpu_run.sh OUT tests [PYTEST ARGS...]  the test suite on the GPU (tiny Qwen3)
 #   scripts/gpu_run.sh OUT bench [BENCH ARGS...]   make bench's runs, dummy Qwen3-4B weights
 #   scripts/gpu_run.sh OUT speed [ARGS...]         bench.engine_speed, dummy Qwen3-4B
+#   scripts/gpu_run.sh OUT tune [ARGS...]          bench.tune (preset variants side by side)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
 #                                                  checkout, its own session), into DIR
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
@@ -32,7 +33,8 @@ case "$step" in
     # Deselected: the conversion of the embedded CPU model, whose package (94 MB) does not fit
     # a transfer; on a GPU `auto` is Qwen3-4B, tested by test_model's GPU case.
     tiny=$(python3 -m tools.tiny_qwen3 "$VCHAT_CACHE_DIR/tiny-qwen3" | tail -1)
-    VCHAT_MODEL=$tiny VCHAT_GPU_MEMORY=${VCHAT_GPU_MEMORY:-0.2} \
+    # Each failure is written to failures.log as it happens (the call may be cut short).
+    VCHAT_MODEL=$tiny VCHAT_GPU_MEMORY=${VCHAT_GPU_MEMORY:-0.2} VCHAT_FAILURE_LOG=$out/failures.log \
       python3 -m pytest -p no:cacheprovider -ra \
         --deselect tests/test_model.py::test_embedded_model_is_converted_once_and_then_reused \
         --deselect tests/test_model.py::test_interrupted_or_outdated_preparation_is_redone \
@@ -52,6 +54,10 @@ case "$step" in
     [ -f "$dir/done" ] && echo "bench finished" || echo "bench still running after ${waited} s"
     tail -c 3000 "$dir/bench.log"
     cp "$dir"/gpu-h200* "$dir"/bench.log "$out/" 2>/dev/null ;;
+  tune)
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.tune --name gpu-h200-tune "$@" > "$out/tune.log" 2>&1
+    status=$?; grep -v '^\s*$' "$out/tune.log" | tail -12
+    cp bench/results/gpu-h200-tune* profiles.yaml "$out/" 2>/dev/null; exit $status ;;
   speed)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.engine_speed --out "$out/speed.json" "$@" \
       > "$out/speed.log" 2>&1; tail -30 "$out/speed.log" ;;

@@ -16,6 +16,16 @@ import pytest  # noqa: E402
 from engine import Engines, load_config  # noqa: E402
 
 
+def pytest_runtest_logreport(report):
+    """With VCHAT_FAILURE_LOG set, each failure's report goes to that file as it happens,
+    not at the end of the session: a run on the GPU machine may be cut off by its time
+    limit before pytest's summary (scripts/gpu_run.sh)."""
+    path = os.environ.get("VCHAT_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak-turns", type=int, default=160,
                      help="turns in the soak test (tests/test_app.py; `make soak` runs 1,000)")

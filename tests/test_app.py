@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from engine import ChatFormatter, Message
 from engine.history import fit_history
+from engine.launch import has_cuda
 from engine.model import resolve_model
 from tools.chainlit_client import ChatClient, Server
 
@@ -173,13 +174,13 @@ async def test_eight_sessions_at_once_are_answered_and_batched(server):
           f"{out_tokens} tokens in {steps} engine steps")
 
     assert all(r.tokens and r.reply["metadata"]["output_tokens"] > 0 for r in together)
-    # Batched: the 8 replies shared engine steps (one step yields a token for each).
+    assert all(r.reply["metadata"]["output_tokens"] > 0 for r in one_by_one)
+    # Batched: the 8 replies shared engine steps (one step yields a token for each). The
+    # engine's own counters say so; how much faster that is, is the benchmarks' to say (on
+    # 2 cores together took ~0.4 of the one-by-one time). Greedy replies need not match
+    # one by one and together: a GPU's kernels round differently per batch size.
     assert engine_after["peak_running"] >= 6
     assert steps < out_tokens / 3
-    # Greedy decoding makes both rounds the same work; together takes a fraction of it.
-    assert [r.shown for r in together] == [r.shown for r in one_by_one]
-    # (measured here: 0.4 of the one-by-one time; the engine runs on one of the 2 cores)
-    assert concurrent_s < 0.6 * sequential_s
     for c in clients:
         await c.close()
 
@@ -416,7 +417,9 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
              if p.name() == "VLLM::EngineCore"]
     old = cores + [p for core in cores for p in core.children(recursive=True)]
-    assert len(cores) == 2 and any(p.name() == "VLLM::Worker" for p in old)
+    # One engine core per preset; on CPU each runs its model in a worker process of its
+    # own, on one GPU inside the core itself.
+    assert len(cores) == 2 and (has_cuda() or any(p.name() == "VLLM::Worker" for p in old))
     for p in cores:
         p.kill()
     end = await c.wait_for("task_end", since=start, timeout=60)

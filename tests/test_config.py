@@ -38,10 +38,15 @@ def test_shipped_file_loads_with_both_presets():
     assert config.profile_or_default("Throughput-first").name == "Throughput-first"
     assert config.profile_or_default("No such profile") is config.default_profile
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
-    for gpu in (True, False):  # on either device, latency-first takes the smaller steps
-        small, large = fast.options(gpu), big.options(gpu)
-        assert small["max_num_batched_tokens"] < large["max_num_batched_tokens"]
-        assert small["max_num_seqs"] <= large["max_num_seqs"]
+    # Without a GPU latency-first takes smaller steps; with one, the same steps (smaller
+    # pieces measured worse on the H200: BENCHMARKS.md) and fewer seats. Either way its
+    # steps are never the larger, its seats the fewer.
+    cpu_small, cpu_large = fast.options(False), big.options(False)
+    assert cpu_small["max_num_batched_tokens"] < cpu_large["max_num_batched_tokens"]
+    assert cpu_small["max_num_seqs"] <= cpu_large["max_num_seqs"]
+    gpu_small, gpu_large = fast.options(True), big.options(True)
+    assert gpu_small["max_num_batched_tokens"] <= gpu_large["max_num_batched_tokens"]
+    assert gpu_small["max_num_seqs"] < gpu_large["max_num_seqs"]
 
 
 CASES = [

@@ -3,10 +3,12 @@
 check what the UI layer does with a fast stream."""
 
 import asyncio
+import re
 
 import pytest
 import yaml
 
+from engine.launch import has_cuda
 from engine.standin import WORDS
 from tools.chainlit_client import ROOT, ChatClient, Server
 
@@ -32,6 +34,22 @@ async def test_the_stand_in_is_labelled_for_operators_and_users(server):
     notes = [e.data["output"] for e in c.events if e.name == "new_message"]
     assert any("stand-in engine, not a model" in n for n in notes)
     await c.close()
+
+
+async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server):
+    """app.py's settle_after_start (chat/stalls.py): the device's streaming pace, Chainlit's
+    blocking constructor pause skipped, the long-lived heap out of the collector's walks."""
+    pattern = re.compile(r"streaming pace: (\d+) updates/s .* constructor pause skipped: "
+                         r"(\w+); (\d+) long-lived objects")
+    for _ in range(100):  # it runs right after the engines are up
+        if found := pattern.search(server.log_path.read_text(errors="replace")):
+            break
+        await asyncio.sleep(0.1)
+    assert found, server.log()[-2000:]
+    pace, skipped, frozen = found.groups()
+    assert int(pace) == (2000 if has_cuda() else 160)
+    assert skipped == "True"
+    assert int(frozen) > 10_000
 
 
 async def test_a_fast_stream_is_coalesced_into_few_events_and_loses_nothing(server):
@@ -62,8 +80,10 @@ async def small_queue_server(tmp_path_factory):
     fast["vllm_gpu"]["max_num_seqs"] = fast["vllm_cpu"]["max_num_seqs"] = 12
     path = tmp_path_factory.mktemp("profiles") / "profiles.yaml"
     path.write_text(yaml.safe_dump(raw))
+    # The CPU's streaming pace (160 updates/s in all) on any device.
     srv = Server({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "10",
-                  "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(path)})
+                  "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(path),
+                  "VCHAT_STREAM_EVENTS_PER_S": "160"})
     try:
         await srv.wait_ready(timeout=120)
         yield srv

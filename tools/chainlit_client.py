@@ -189,7 +189,11 @@ class Server:
                     r = await client.get(self.url + path, timeout=5)
                     if r.status_code == 200:
                         return r.json()
-                except httpx.HTTPError:
+                    if path == "/ready" and r.json().get("status") == "failed":
+                        # the engines gave up; the server stays up to tell its users so
+                        raise RuntimeError(f"the engines failed to start; log: "
+                                           f"{self.log_path}\n" + self.log())
+                except (httpx.HTTPError, ValueError):
                     pass
                 await asyncio.sleep(0.5)
         raise TimeoutError(f"{path} not ready in {timeout} s; log: {self.log_path}")

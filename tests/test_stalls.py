@@ -1,0 +1,70 @@
+"""chat/stalls.py: what would stop the event loop every chat session shares."""
+
+import gc
+import time
+from datetime import datetime
+
+import chainlit.utils
+import pytest
+from chainlit.context import init_http_context
+from chainlit.message import Message
+from chainlit.step import Step
+
+from chat import stalls
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """Chainlit as shipped (restored afterwards), and every call of the real time.sleep,
+    recorded (and not slept)."""
+    for module in stalls._modules():
+        monkeypatch.setattr(module, "time", time)
+        monkeypatch.setattr(module, "utc_now", chainlit.utils.utc_now)
+    calls = []
+    monkeypatch.setattr(time, "sleep", calls.append)
+    return calls
+
+
+async def test_chainlits_constructors_no_longer_block_the_event_loop(sleeps):
+    init_http_context()
+    Message(content="before")
+    Step(name="before")
+    assert sleeps == [stalls.CONSTRUCTOR_PAUSE_S] * 2, "Chainlit's pause, as measured"
+    sleeps.clear()
+    stalls.skip_constructor_pause()
+    stalls.skip_constructor_pause()  # twice: the same replacements
+    assert stalls.constructor_pause_skipped()
+    for _ in range(100):
+        Message(content="after")
+        Step(name="after")
+    assert sleeps == []
+    # Any other sleep in those modules is still a real one.
+    stalls._modules()[0].time.sleep(0.25)
+    assert sleeps == [0.25]
+
+
+def test_the_clock_never_repeats_itself_and_keeps_chainlits_format():
+    clock = stalls.OrderedClock()
+    times = [clock.utc_now() for _ in range(5000)]  # far more than one per microsecond
+    assert all(a < b for a, b in zip(times, times[1:])), "strictly increasing, as text"
+    assert all(t.endswith("Z") and len(t) == len("2026-12-01T08:00:00.000000Z") for t in times)
+    first = datetime.fromisoformat(times[0].removesuffix("Z"))
+    assert abs((datetime.utcnow() - first).total_seconds()) < 60, "UTC, like Chainlit's"
+
+
+async def test_steps_made_back_to_back_are_ordered_by_their_creation_time(sleeps):
+    init_http_context()
+    stalls.skip_constructor_pause()
+    created = [Step(name=f"s{i}").created_at for i in range(2000)]
+    assert all(a < b for a, b in zip(created, created[1:]))
+
+
+def test_the_long_lived_heap_is_left_out_of_collections():
+    try:
+        frozen = stalls.freeze_heap()
+        assert frozen == gc.get_freeze_count() > 10_000  # this process: pytest, chainlit...
+        young = [object() for _ in range(10)]
+        assert gc.get_freeze_count() == frozen, "objects made later are collected as usual"
+        del young
+    finally:
+        gc.unfreeze()  # the rest of the test session as it was
