@@ -1,0 +1,118 @@
+"""Password accounts, in the same database as the chats (store/schema.py's `accounts`).
+
+Passwords are kept only as argon2id hashes (argon2-cffi's defaults, RFC 9106's second
+recommended set). A failed login answers the same whatever was wrong (no such user, wrong
+password) and costs the same time (a dummy hash is checked for an unknown user); repeated
+failures for one name are slowed down: the n-th failure in a row waits
+min(0.25 * 2^(n-1), MAX_DELAY_S) before the next attempt is even checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+HASHER = PasswordHasher()
+MIN_PASSWORD_CHARS = 8
+MAX_DELAY_S = 8.0
+ROLES = ("admin", "user")
+_DUMMY_HASH = HASHER.hash(secrets.token_urlsafe(16))
+
+
+class AccountError(ValueError):
+    """A request about accounts that cannot be done, said in words for the operator."""
+
+
+@dataclass(frozen=True)
+class Account:
+    identifier: str
+    role: str
+    created_at: str
+
+
+def failure_delay(failures: int) -> float:
+    return 0.0 if failures <= 0 else min(0.25 * 2 ** (failures - 1), MAX_DELAY_S)
+
+
+def generate_password() -> str:
+    return secrets.token_urlsafe(15)  # 20 characters, ~120 bits
+
+
+class Accounts:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    async def add(self, identifier: str, password: str, role: str = "user") -> Account:
+        identifier = identifier.strip()
+        if not identifier or len(identifier) > 200:
+            raise AccountError("a user name needs 1 to 200 characters")
+        if len(password) < MIN_PASSWORD_CHARS:
+            raise AccountError(f"a password needs at least {MIN_PASSWORD_CHARS} characters")
+        if role not in ROLES:
+            raise AccountError(f"role {role!r}: one of {', '.join(ROLES)}")
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        hashed = await asyncio.to_thread(HASHER.hash, password)
+        async with self.engine.begin() as conn:
+            if await self._row(conn, identifier):
+                raise AccountError(f"user {identifier!r} exists already")
+            await conn.execute(text(
+                'INSERT INTO accounts ("identifier", "passwordHash", "role", "createdAt") '
+                "VALUES (:i, :h, :r, :c)"), {"i": identifier, "h": hashed, "r": role,
+                                              "c": created})
+        return Account(identifier, role, created)
+
+    async def remove(self, identifier: str) -> None:
+        async with self.engine.begin() as conn:
+            done = await conn.execute(text('DELETE FROM accounts WHERE "identifier" = :i'),
+                                      {"i": identifier})
+        if done.rowcount == 0:
+            raise AccountError(f"no user {identifier!r}")
+
+    async def list(self) -> list[Account]:
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(text(
+                'SELECT "identifier", "role", "createdAt" FROM accounts '
+                'ORDER BY "identifier"'))).all()
+        return [Account(*row) for row in rows]
+
+    async def count(self) -> int:
+        async with self.engine.connect() as conn:
+            return (await conn.execute(text("SELECT COUNT(*) FROM accounts"))).scalar_one()
+
+    async def verify(self, identifier: str, password: str) -> Account | None:
+        """The account if the password is right, else None (whatever was wrong). After
+        failures in a row for this name, waits first (failure_delay)."""
+        async with self.engine.connect() as conn:
+            row = await self._row(conn, identifier)
+        if row is not None and row.failedLogins:
+            waited = time.time() - (row.lastFailedAt or 0)
+            await asyncio.sleep(max(0.0, failure_delay(row.failedLogins) - waited))
+        try:
+            await asyncio.to_thread(HASHER.verify, row.passwordHash if row else _DUMMY_HASH,
+                                    password)
+            ok = row is not None
+        except (VerificationError, InvalidHashError):
+            ok = False
+        if row is None:
+            return None
+        async with self.engine.begin() as conn:
+            await conn.execute(text(
+                'UPDATE accounts SET "failedLogins" = :n, "lastFailedAt" = :t '
+                'WHERE "identifier" = :i'),
+                {"n": 0 if ok else row.failedLogins + 1, "t": None if ok else time.time(),
+                 "i": identifier})
+        return Account(row.identifier, row.role, row.createdAt) if ok else None
+
+    @staticmethod
+    async def _row(conn, identifier: str):
+        return (await conn.execute(text(
+            'SELECT "identifier", "passwordHash", "role", "createdAt", "failedLogins", '
+            '"lastFailedAt" FROM accounts WHERE "identifier" = :i'), {"i": identifier})).first()

@@ -1,0 +1,119 @@
+"""The database behind persistence: the tables Chainlit's SQLAlchemy data layer writes
+(users, threads, steps, elements, feedbacks) and the app's password accounts, created and
+migrated by the app itself on start (Chainlit creates no tables), versioned.
+
+SQLite by default (a file in the data folder), PostgreSQL when DATABASE_URL says so. The
+columns are what Chainlit 2.12 actually writes, not its documented schema, which lacks the
+newer step and element columns (a missing column fails the INSERT, which Chainlit only
+logs): tests/test_store.py checks every key of Chainlit's own step, message and element
+dicts against these tables. Ids are text on both databases; JSON is JSONB on PostgreSQL and
+text on SQLite; tag lists are TEXT[] on PostgreSQL and JSON text on SQLite.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+def database_url(data_dir: Path, env: dict | None = None) -> str:
+    """DATABASE_URL (postgres:// or postgresql:// as servers hand them out, driven by
+    asyncpg), else SQLite in `data_dir`."""
+    url = (os.environ if env is None else env).get("DATABASE_URL", "").strip()
+    if not url:
+        return f"sqlite+aiosqlite:///{Path(data_dir).resolve() / 'chat.db'}"
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+asyncpg://" + url[len(prefix):]
+    return url
+
+
+def connect(url: str) -> AsyncEngine:
+    if url.startswith("sqlite"):
+        Path(url.split(":///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+    return create_async_engine(url)
+
+
+def _tables() -> list[str]:
+    """Version 1's statements, with {json} and {tags} for the database's types."""
+    return [
+        """CREATE TABLE users (
+            "id" TEXT PRIMARY KEY, "identifier" TEXT NOT NULL UNIQUE,
+            "metadata" {json} NOT NULL, "createdAt" TEXT)""",
+        """CREATE TABLE threads (
+            "id" TEXT PRIMARY KEY, "createdAt" TEXT, "name" TEXT,
+            "userId" TEXT REFERENCES users ("id") ON DELETE CASCADE,
+            "userIdentifier" TEXT, "tags" {tags}, "metadata" {json})""",
+        """CREATE TABLE steps (
+            "id" TEXT PRIMARY KEY, "name" TEXT NOT NULL, "type" TEXT NOT NULL,
+            "threadId" TEXT NOT NULL REFERENCES threads ("id") ON DELETE CASCADE,
+            "parentId" TEXT, "command" TEXT, "modes" {json}, "streaming" BOOLEAN NOT NULL,
+            "waitForAnswer" BOOLEAN, "isError" BOOLEAN, "metadata" {json}, "tags" {tags},
+            "input" TEXT, "output" TEXT, "createdAt" TEXT, "start" TEXT, "end" TEXT,
+            "generation" {json}, "showInput" TEXT, "defaultOpen" BOOLEAN,
+            "autoCollapse" BOOLEAN, "language" TEXT, "icon" TEXT)""",
+        """CREATE TABLE elements (
+            "id" TEXT PRIMARY KEY,
+            "threadId" TEXT REFERENCES threads ("id") ON DELETE CASCADE,
+            "type" TEXT, "url" TEXT, "chainlitKey" TEXT, "name" TEXT NOT NULL,
+            "display" TEXT, "objectKey" TEXT, "size" TEXT, "page" INTEGER, "language" TEXT,
+            "forId" TEXT, "mime" TEXT, "props" {json}, "autoPlay" BOOLEAN,
+            "playerConfig" {json})""",
+        """CREATE TABLE feedbacks (
+            "id" TEXT PRIMARY KEY, "forId" TEXT NOT NULL,
+            "threadId" TEXT NOT NULL REFERENCES threads ("id") ON DELETE CASCADE,
+            "value" INTEGER NOT NULL, "comment" TEXT)""",
+        # The app's own: password accounts (store/accounts.py).
+        """CREATE TABLE accounts (
+            "identifier" TEXT PRIMARY KEY, "passwordHash" TEXT NOT NULL,
+            "role" TEXT NOT NULL, "createdAt" TEXT NOT NULL,
+            "failedLogins" INTEGER NOT NULL DEFAULT 0, "lastFailedAt" DOUBLE PRECISION)""",
+        'CREATE INDEX threads_by_user ON threads ("userId", "createdAt")',
+        'CREATE INDEX steps_by_thread ON steps ("threadId", "createdAt")',
+    ]
+
+
+def migrations(postgres: bool) -> list[list[str]]:
+    """Each version's statements, in order: version N is migrations(...)[N - 1]. A change
+    to the schema is a new entry at the end, never an edit of a shipped one."""
+    return [
+        [sql.format(json="JSONB" if postgres else "TEXT", tags="TEXT[]" if postgres else "TEXT")
+         for sql in _tables()],
+    ]
+
+
+SCHEMA_VERSION = len(migrations(False))
+
+
+async def schema_version(engine: AsyncEngine) -> int:
+    """0 for an empty database."""
+    async with engine.connect() as conn:
+        exists = await conn.run_sync(
+            lambda sync: sync.dialect.has_table(sync, "schema_version"))
+        if not exists:
+            return 0
+        return (await conn.execute(text("SELECT version FROM schema_version"))).scalar_one()
+
+
+async def migrate(engine: AsyncEngine) -> tuple[int, int]:
+    """Bring the database to SCHEMA_VERSION, each version in one transaction (on SQLite and
+    PostgreSQL alike, a failed step leaves the previous version whole). Returns (from, to).
+    A database newer than this app is refused rather than written to."""
+    postgres = engine.dialect.name == "postgresql"
+    found = await schema_version(engine)
+    if found > SCHEMA_VERSION:
+        raise RuntimeError(f"the database is at schema version {found}, newer than this "
+                           f"app's {SCHEMA_VERSION}: update the app first")
+    steps = migrations(postgres)
+    for version in range(found + 1, SCHEMA_VERSION + 1):
+        async with engine.begin() as conn:
+            if version == 1:
+                await conn.execute(text("CREATE TABLE schema_version (version INTEGER NOT NULL)"))
+                await conn.execute(text("INSERT INTO schema_version VALUES (0)"))
+            for sql in steps[version - 1]:
+                await conn.execute(text(sql))
+            await conn.execute(text("UPDATE schema_version SET version = :v"), {"v": version})
+    return found, SCHEMA_VERSION
