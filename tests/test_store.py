@@ -1,8 +1,15 @@
 """store/: the schema on a real SQLite file (created, migrated, matching what Chainlit 2.12
-writes) and password accounts. Not yet wired into the app (issue 15 continues)."""
+writes), Chainlit's data layer on it with its SQLite traps handled, password accounts, the
+operator's users command and the data folder's secret and first admin. Not yet wired into
+the app (issue 15 continues)."""
 
-import asyncio
+import os
+import stat
+import subprocess
+import sys
 import time
+from datetime import datetime
+from pathlib import Path
 
 import pytest
 from chainlit.context import init_http_context
@@ -14,6 +21,8 @@ from sqlalchemy import inspect, text
 from store import accounts as accounts_module
 from store.accounts import AccountError, Accounts, failure_delay
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
+from store.setup import auth_secret, data_dir, first_admin
+from tools.chainlit_client import ROOT
 
 
 @pytest.fixture
@@ -104,3 +113,128 @@ async def test_repeated_failures_are_slowed_down_and_a_success_resets_them(engin
     assert time.monotonic() - started >= failure_delay(3) - 0.3
     async with engine.connect() as conn:
         assert (await conn.execute(text('SELECT "failedLogins" FROM accounts'))).scalar_one() == 0
+
+
+@pytest.fixture
+async def layer(tmp_path):
+    from store.data_layer import ChatDataLayer
+
+    url = database_url(tmp_path, env={})
+    eng = connect(url)
+    await migrate(eng)
+    await eng.dispose()
+    dl = ChatDataLayer(url)
+    yield dl
+    await dl.engine.dispose()
+
+
+async def test_sqlite_tags_trap_chainlits_own_layer_loses_the_thread_silently(tmp_path):
+    """Regression for the trap the app's layer handles: Chainlit's SQLAlchemy layer binds
+    thread tags as a Python list, SQLite refuses it, and Chainlit only logs a warning."""
+    from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+
+    url = database_url(tmp_path, env={})
+    eng = connect(url)
+    await migrate(eng)
+    theirs = SQLAlchemyDataLayer(url)
+    init_http_context()
+    await theirs.update_thread("t-1", name="Tagged", tags=["a", "b"])  # no error raised...
+    async with eng.connect() as conn:  # ...and nothing stored
+        assert (await conn.execute(text("SELECT COUNT(*) FROM threads"))).scalar_one() == 0
+    await theirs.engine.dispose()
+    await eng.dispose()
+
+
+async def test_a_thread_with_tags_and_steps_round_trips(layer):
+    from chainlit.types import Pagination, ThreadFilter
+    from chainlit.user import User
+
+    init_http_context()
+    user = await layer.create_user(User(identifier="alice", metadata={"role": "user"}))
+    await layer.update_thread("t-1", name="First chat", user_id=user.id,
+                              metadata={"chat_profile": "Latency-first"}, tags=["a", "b"])
+    question = Message(content="What is 2 + 2?", author="alice", type="user_message")
+    question.thread_id = "t-1"
+    answer = Message(content="4", type="assistant_message")
+    answer.thread_id = "t-1"
+    for m in (question, answer):
+        m.created_at = await layer.get_current_timestamp()  # as Message.send sets it
+        await layer.create_step({**m.to_dict(), "tags": ["turn"]})
+    assert await layer.settle("t-1") == []
+    thread = await layer.get_thread("t-1")
+    assert thread["tags"] == ["a", "b"] and thread["userIdentifier"] == "alice"
+    assert thread["metadata"]["chat_profile"] == "Latency-first"
+    steps = sorted(thread["steps"], key=lambda s: s["createdAt"])
+    assert [(s["type"], s["output"]) for s in steps] == [
+        ("user_message", "What is 2 + 2?"), ("assistant_message", "4")]
+    assert all(s["tags"] == ["turn"] for s in steps)
+    listed = await layer.list_threads(Pagination(first=10), ThreadFilter(userId=user.id))
+    assert [t["id"] for t in listed.data] == ["t-1"]
+    stamp = await layer.get_current_timestamp()
+    assert stamp.endswith("Z") and abs(
+        (datetime.utcnow() - datetime.fromisoformat(stamp[:-1])).total_seconds()) < 60
+
+
+async def test_a_failed_write_is_raised_counted_and_reported_for_its_thread(layer):
+    from store.data_layer import StoreError
+
+    init_http_context()
+    await layer.update_thread("t-2", name="Second")
+    broken = {**Message(content="lost?").to_dict(), "threadId": "t-2", "noSuchColumn": 1}
+    with pytest.raises(StoreError, match="noSuchColumn"):
+        await layer.create_step(broken)
+    assert layer.failures == 1 and "noSuchColumn" in layer.last_failure
+    told = await layer.settle("t-2")
+    assert len(told) == 1 and "noSuchColumn" in told[0]
+    assert await layer.settle("t-2") == [], "each failure is reported once"
+    assert await layer.healthy()
+
+
+def store_command(tmp_path, *args, stdin: str = ""):
+    env = {**os.environ, "VCHAT_DATA_DIR": str(tmp_path / "data")}
+    env.pop("DATABASE_URL", None)
+    return subprocess.run([sys.executable, "-m", "store", *args], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_the_users_command_adds_lists_and_removes_accounts(tmp_path):
+    first = store_command(tmp_path, "migrate")
+    assert first.returncode == 0 and f"from version 0 to {SCHEMA_VERSION}" in first.stdout
+    assert "schema at version" in store_command(tmp_path, "migrate").stdout
+    added = store_command(tmp_path, "users", "add", "alice", "--admin", "--stdin",
+                          stdin="correct horse battery\n")
+    assert added.returncode == 0 and "added alice (admin)" in added.stdout
+    store_command(tmp_path, "users", "add", "bob", "--stdin", stdin="another long secret\n")
+    listed = store_command(tmp_path, "users", "list").stdout.splitlines()
+    assert [line.split("\t")[:2] for line in listed] == [["alice", "admin"], ["bob", "user"]]
+    again = store_command(tmp_path, "users", "add", "bob", "--stdin", stdin="whatever123\n")
+    assert again.returncode == 1 and again.stderr.strip() == "error: user 'bob' exists already"
+    assert "Traceback" not in again.stderr
+    assert store_command(tmp_path, "users", "remove", "bob").returncode == 0
+    gone = store_command(tmp_path, "users", "remove", "bob")
+    assert gone.returncode == 1 and "no user 'bob'" in gone.stderr
+
+
+def test_the_auth_secret_is_made_once_kept_private_and_the_environment_wins(tmp_path):
+    folder = tmp_path / "data"
+    made = auth_secret(folder, env={})
+    assert len(made) >= 48 and auth_secret(folder, env={}) == made, "kept across starts"
+    assert stat.S_IMODE((folder / "auth-secret").stat().st_mode) == 0o600
+    assert auth_secret(folder, env={"CHAINLIT_AUTH_SECRET": "given"}) == "given"
+    assert data_dir(env={}) == Path("data")
+    assert data_dir(env={"VCHAT_DATA_DIR": "/srv/chat"}) == Path("/srv/chat")
+
+
+async def test_the_first_admin_comes_from_the_environment_or_is_generated_once(engine):
+    await migrate(engine)
+    accounts = Accounts(engine)
+    with pytest.raises(ValueError, match="both"):
+        await first_admin(accounts, env={"CHAT_ADMIN_USER": "root"})
+    name, password = await first_admin(accounts, env={})
+    assert name == "admin" and len(password) >= 16
+    assert (await accounts.verify("admin", password)).role == "admin"
+    assert await first_admin(accounts, env={}) is None, "accounts exist: nothing made"
+    await accounts.remove("admin")
+    given = {"CHAT_ADMIN_USER": "root", "CHAT_ADMIN_PASSWORD": "a long given secret"}
+    assert await first_admin(accounts, env=given) == ("root", None)
+    assert (await accounts.verify("root", "a long given secret")).role == "admin"

@@ -1,0 +1,60 @@
+"""What the app needs from its data folder before it serves anyone: the database at the
+current schema, Chainlit's session-signing secret, and a first admin.
+
+- The data folder: VCHAT_DATA_DIR, default ./data (git-ignored). It holds chat.db (SQLite,
+  unless DATABASE_URL points elsewhere) and auth-secret.
+- CHAINLIT_AUTH_SECRET signs the login tokens. From the environment when set; else the one
+  generated on the first start and kept in the data folder (owner-only), so a restart keeps
+  everyone logged in and nothing secret is ever committed.
+- The first admin: CHAT_ADMIN_USER / CHAT_ADMIN_PASSWORD when there is no account yet; with
+  neither set and no account, a local admin `admin` with a generated password, which
+  `first_admin` returns once for the caller to print (it is stored only as a hash).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from store.accounts import Accounts, generate_password
+
+DEFAULT_DATA_DIR = "data"
+SECRET_FILE = "auth-secret"
+
+
+def data_dir(env: dict | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("VCHAT_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def auth_secret(folder: Path, env: dict | None = None) -> str:
+    """The environment's CHAINLIT_AUTH_SECRET, else the data folder's, made on first use."""
+    env = os.environ if env is None else env
+    if env.get("CHAINLIT_AUTH_SECRET"):
+        return env["CHAINLIT_AUTH_SECRET"]
+    path = Path(folder) / SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(48) + "\n")
+    return path.read_text().strip()
+
+
+async def first_admin(accounts: Accounts, env: dict | None = None
+                      ) -> tuple[str, str | None] | None:
+    """Create the first admin if there is no account. Returns None when accounts exist,
+    else (name, generated password or None when the environment gave it)."""
+    env = os.environ if env is None else env
+    if await accounts.count():
+        return None
+    name, password = env.get("CHAT_ADMIN_USER"), env.get("CHAT_ADMIN_PASSWORD")
+    if bool(name) != bool(password):
+        raise ValueError("set both CHAT_ADMIN_USER and CHAT_ADMIN_PASSWORD, or neither")
+    if name:
+        await accounts.add(name, password, role="admin")
+        return name, None
+    password = generate_password()
+    await accounts.add("admin", password, role="admin")
+    return "admin", password
