@@ -9,22 +9,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 import chainlit as cl
 from chainlit.config import config as chainlit_config
+from chainlit.types import ThreadDict
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
 from starlette.responses import JSONResponse
 
 from chat import stalls
 from chat.input import check_message
-from chat.session import Conversation
+from chat.session import HISTORY_CHARS, Conversation, stored_turns
 from chat.shutdown import Shutdown
 from chat.streaming import Coalescer, Pace
-from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, RANDOM_WEIGHTS, STAND_IN, STARTING,
-                       UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata, stats_line)
+from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_SAVED, RANDOM_WEIGHTS, STAND_IN,
+                       STARTING, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
+                       stats_line)
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
+from store.accounts import Accounts
+from store.data_layer import ChatDataLayer, StoreError
+from store.schema import database_url, migrate
+from store.setup import auth_secret, data_dir, first_admin
 
 # Chainlit's Message and Step constructors block the event loop for 1 ms each: not here.
 stalls.skip_constructor_pause()
@@ -43,13 +50,45 @@ try:
     PACE = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)
     # On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
     SHUTDOWN = Shutdown(setting("VCHAT_SHUTDOWN_GRACE_S"))
+    # Accounts and chats: the data folder's database (or DATABASE_URL), its schema brought
+    # up to date at start-up; the login tokens' secret kept there unless the environment
+    # gives one (store/setup.py).
+    DATA_DIR = data_dir()
+    os.environ["CHAINLIT_AUTH_SECRET"] = auth_secret(DATA_DIR)
+    STORE = ChatDataLayer(database_url(DATA_DIR))
+    ACCOUNTS = Accounts(STORE.engine)
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
 
 
+@cl.data_layer
+def chat_store() -> ChatDataLayer:
+    return STORE
+
+
+@cl.password_auth_callback
+async def login(username: str, password: str) -> cl.User | None:
+    """The same refusal whatever was wrong; repeated failures wait (store/accounts.py)."""
+    account = await ACCOUNTS.verify(username, password)
+    if account is None:
+        log.info("login refused for %r", username[:100])
+        return None
+    return cl.User(identifier=account.identifier, metadata={"role": account.role})
+
+
 @cl.on_app_startup
 async def start_engines() -> None:
-    """Start the engines in the background: the server answers while they load."""
+    """Bring the database up to date and make sure someone can log in, then start the
+    engines in the background: the server answers while they load."""
+    before, after = await migrate(STORE.engine)
+    if before != after:
+        log.info("database schema brought from version %d to %d", before, after)
+    made = await first_admin(ACCOUNTS)
+    if made and made[1]:  # shown once: only its hash is kept
+        print(f"\n  First start: log in as {made[0]!r} with the password {made[1]!r}\n"
+              f"  (add users: .venv/bin/python -m store users add NAME)\n", flush=True)
+    elif made:
+        log.info("created the admin account %r from CHAT_ADMIN_USER", made[0])
     ENGINES.launch()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
     SETTLING.add(task := asyncio.create_task(settle_after_start()))  # referenced till done
@@ -79,6 +118,8 @@ async def ready() -> JSONResponse:
     """Readiness: 200 once every engine is up, 503 while starting or after a failure."""
     health = await ENGINES.health()
     health["turns_in_flight"] = SHUTDOWN.turns
+    # Failed database writes are the operator's to see here, not only in the log.
+    health["store"] = {"failed_writes": STORE.failures, "last_failure": STORE.last_failure}
     if SHUTDOWN.closing:
         health["status"] = "stopping"
     return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
@@ -121,6 +162,17 @@ async def chat_start() -> None:
     if ENGINES.state == "starting":  # a note that goes once the model is ready
         note = await cl.Message(content=STARTING).send()
         cl.user_session.set("starting", asyncio.create_task(remove_when_ready(note)))
+
+
+@cl.on_chat_resume
+async def chat_resume(thread: ThreadDict) -> None:
+    """A stored chat reopened: its profile and its turns as they were, so the next turn
+    is fitted exactly as it would have been in the live chat."""
+    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
+    conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
+    cl.user_session.set("conversation", conv)
+    await settings_panel(conv).send()
+    log.info("chat %s resumed with %d turns", thread.get("id"), len(conv.turns))
 
 
 async def remove_when_ready(note: cl.Message) -> None:
@@ -169,6 +221,8 @@ async def on_message(message: cl.Message) -> None:
         await cl.Message(content=CLOSING).send()
         return
     conv: Conversation = cl.user_session.get("conversation")
+    if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
+        log.info("message edited: %d turns leave the history", dropped)
     try:
         checked = check_message(message.content, conv.profile.limits.message_chars)
         conv.begin_turn()
@@ -179,7 +233,7 @@ async def on_message(message: cl.Message) -> None:
         with SHUTDOWN.turn():
             if checked.notice:
                 await cl.Message(content=checked.notice).send()
-            await answer(conv, Message("user", checked.text))
+            await answer(conv, Message("user", checked.text), message.id)
     except ChatError as exc:  # explained (queue full, engine restarting...): nothing stored
         await cl.Message(content=str(exc)).send()
     except Exception:  # a bug or an engine failure: logged, never a trace to the user
@@ -206,7 +260,7 @@ class PlaceInLine:
             await message.remove()
 
 
-async def answer(conv: Conversation, user: Message) -> None:
+async def answer(conv: Conversation, user: Message, message_id: str) -> None:
     """One turn: wait for the engines, fit the history, stream the reply, record it."""
     note, reply = PlaceInLine(), cl.Message(content="")
     try:
@@ -218,15 +272,26 @@ async def answer(conv: Conversation, user: Message) -> None:
             await cl.Message(content=notice).send()
         stats = await stream_reply(conv, prompt, reply, note)
     except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
-        await end_early(conv, user, reply)
+        await end_early(conv, user, reply, message_id)
         raise
     finally:
         await note.remove()
-    conv.record(user, reply.content)
-    reply.metadata = reply_metadata(stats, conv.profile.name, prompt.dropped_turns)
+    conv.record(user, reply.content, message_id)
+    reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
+                      HISTORY_CHARS: len(reply.content)}
     if conv.settings.show_stats:
         reply.content += "\n\n" + stats_line(stats, conv.profile.name)
     await reply.send()
+    await check_saved()
+
+
+async def check_saved() -> None:
+    """Writes of this chat that the database refused are said, not lost in a log."""
+    thread_id = cl.context.session.thread_id
+    failed = await STORE.settle(thread_id)
+    if failed:
+        log.error("chat %s: %d writes failed, last: %s", thread_id, len(failed), failed[-1])
+        await cl.Message(content=NOT_SAVED).send()
 
 
 async def stream_reply(conv: Conversation, prompt: Prompt, reply: cl.Message,
@@ -247,14 +312,16 @@ async def stream_reply(conv: Conversation, prompt: Prompt, reply: cl.Message,
     return stats
 
 
-async def end_early(conv: Conversation, user: Message, reply: cl.Message) -> None:
+async def end_early(conv: Conversation, user: Message, reply: cl.Message,
+                    message_id: str) -> None:
     """Keep what was shown of a reply that ended early, marked as such; a turn withdrawn
     before its reply began is not part of the conversation."""
     closing = SHUTDOWN.closing
     if not reply.content:
         await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
         return
-    conv.record(user, reply.content)
-    reply.metadata = {"stopped": True, "profile": conv.profile.name, "cut_by_shutdown": closing}
+    conv.record(user, reply.content, message_id)
+    reply.metadata = {"stopped": True, "profile": conv.profile.name, "cut_by_shutdown": closing,
+                      HISTORY_CHARS: len(reply.content)}
     reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"
     await reply.send()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from engine import ChatError, Message, Profile, Prompt
 
+from .input import check_message
 from .view import dropped_notice, short_reply_notice
 
 
@@ -34,6 +35,7 @@ class Settings:
 class Turn:
     user: Message
     reply: Message  # as shown: a stopped reply is the part the user saw
+    message_id: str | None = None  # the user's message in the chat (for edits)
 
 
 @dataclass
@@ -75,8 +77,23 @@ class Conversation:
     def end_turn(self) -> None:
         self.in_flight = False
 
-    def record(self, user: Message, reply: str) -> None:
-        self.turns.append(Turn(user, Message("assistant", reply)))
+    def record(self, user: Message, reply: str, message_id: str | None = None) -> None:
+        self.turns.append(Turn(user, Message("assistant", reply), message_id))
+
+    def restore(self, turns: list[tuple[str, str, str]]) -> None:
+        """A stored chat's turns (stored_turns), as if they had just been recorded."""
+        for message_id, user, reply in turns:
+            self.record(Message("user", user), reply, message_id)
+
+    def rewind(self, message_id: str | None) -> int:
+        """The user edited an earlier message: that turn and every later one leave the
+        history, as they leave the page. Returns how many turns went (0: not an edit)."""
+        for i, turn in enumerate(self.turns):
+            if message_id is not None and turn.message_id == message_id:
+                dropped = len(self.turns) - i
+                del self.turns[i:]
+                return dropped
+        return 0
 
     def sampling(self) -> dict:
         """The user's sampling settings, for the engine's stream() call."""
@@ -123,6 +140,31 @@ class Conversation:
 
 
 _LABELS = {"temperature": "Temperature", "max_tokens": "Max tokens"}
+
+# A reply's metadata key: how much of its stored text is the reply the history holds (what
+# follows is the stats line or the "Stopped." mark, shown but never part of the history).
+HISTORY_CHARS = "history_chars"
+
+
+def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, str]]:
+    """A stored chat's turns, as the live chat recorded them: (the user message's id, its
+    text, the reply that answered it; a reply carries HISTORY_CHARS). A message that got no reply
+    (refused, withdrawn, failed) and the notes around turns are not part of it, as they
+    were not live. The user's text goes through the same check as when it was sent."""
+    turns, asked = [], None
+    for step in sorted(steps, key=lambda s: s.get("createdAt") or ""):
+        if step.get("type") == "user_message":
+            asked = step
+        elif step.get("type") == "assistant_message" and asked is not None:
+            chars = (step.get("metadata") or {}).get(HISTORY_CHARS)
+            if isinstance(chars, int) and not isinstance(chars, bool):
+                try:
+                    text = check_message(asked.get("output") or "", message_chars).text
+                    turns.append((asked.get("id"), text, (step.get("output") or "")[:chars]))
+                except ChatError:
+                    pass
+                asked = None
+    return turns
 
 
 def _number(value, kind):

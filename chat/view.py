@@ -15,6 +15,9 @@ CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again 
              "back for a full reply.*")
 STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
             "filler text produced at a set speed to measure the chat layer.")
+NOT_SAVED = ("This turn is shown but could not be saved to your chat history (the database "
+             "refused it; the operator's log says why). It will be missing if you reopen "
+             "this chat.")
 RANDOM_WEIGHTS = ("**Test mode:** this server runs the model with random weights (its real "
                   "size and speed, but no training). Replies are random text, not answers.")
 

@@ -87,6 +87,8 @@ SETTINGS = {s.name: s for s in (
             overrides="memory.gpu_memory_utilization"),
     Setting("VCHAT_CACHE_DIR", text, None, "where the embedded model is prepared "
             "(default ~/.cache/vchat)"),
+    Setting("VCHAT_DATA_DIR", text, "data", "the data folder: the chat database (SQLite, "
+            "unless DATABASE_URL is set) and the login secret"),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",
             "shortest time between a reply's streamed updates; 0 sends every engine piece"),
     Setting("VCHAT_STREAM_EVENTS_PER_S", whole(1), None,

@@ -24,6 +24,8 @@ SECRET_FILE = "auth-secret"
 
 
 def data_dir(env: dict | None = None) -> Path:
+    # Listed in engine/settings.py with the other VCHAT_ variables; read here directly so
+    # that `python -m store` does not import the engine layer (and vLLM) to find it.
     env = os.environ if env is None else env
     return Path(env.get("VCHAT_DATA_DIR") or DEFAULT_DATA_DIR)
 

@@ -9,12 +9,14 @@ Every server event is recorded with its arrival time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # without a GPU, a 2,048-token context.
 TEST_ENV = {"VCHAT_ENFORCE_EAGER": "1", "VCHAT_KV_CACHE_GIB": "1", "VCHAT_MAX_MODEL_LEN": "2048",
             "HF_HUB_OFFLINE": "1"}
+# The first admin of every server started here (each gets a data folder of its own), and
+# the account a ChatClient logs in with unless told otherwise.
+TEST_USER, TEST_PASSWORD = "tester", "a test password, not a secret"
 
 
 @dataclass
@@ -66,8 +71,10 @@ class Reply:
 
 
 class ChatClient:
-    def __init__(self, base_url: str, profile: str):
+    def __init__(self, base_url: str, profile: str, user: str = TEST_USER,
+                 password: str = TEST_PASSWORD):
         self.base_url, self.profile = base_url, profile
+        self.user, self.password = user, password
         self.sio = socketio.AsyncClient(reconnection=False)
         self.events: list[Event] = []
         self._changed = asyncio.Event()
@@ -77,14 +84,29 @@ class ChatClient:
         self.events.append(Event(name, data, time.monotonic()))
         self._changed.set()
 
-    async def connect(self, wait_chat_start: bool = True) -> None:
+    async def login(self) -> str:
+        """Log in as a browser does (POST /login); the session cookie's token."""
+        async with httpx.AsyncClient() as client:
+            r = await client.post(self.base_url + "/login", timeout=60,
+                                  data={"username": self.user, "password": self.password})
+        if r.status_code != 200:
+            raise PermissionError(f"login as {self.user!r} refused: {r.status_code} {r.text}")
+        return r.cookies["access_token"]
+
+    async def connect(self, wait_chat_start: bool = True, resume: str = "") -> None:
+        """Log in and open a session: a new chat, or with `resume` that stored chat's id
+        reopened (then it waits for the app's settings panel, the last thing it sends)."""
+        token = await self.login()
         await self.sio.connect(
             self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
+            headers={"Cookie": f"access_token={token}"},
             wait_timeout=30,  # the default 1 s is too short for many sessions at once
             auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
-                  "chatProfile": self.profile, "threadId": ""})
+                  "chatProfile": self.profile, "threadId": resume})
         await self.sio.emit("connection_successful")
-        if wait_chat_start:  # (a stray task_end comes first on connect; skip it)
+        if resume:
+            await self.wait_for("chat_settings", since=0)
+        elif wait_chat_start:  # (a stray task_end comes first on connect; skip it)
             started = await self.wait_for("task_start", since=0)
             await self.wait_for("task_end", since=started)
 
@@ -107,16 +129,27 @@ class ChatClient:
     async def send(self, text: str, timeout: float = 300.0) -> Reply:
         """Send one user message and collect everything until its task ends."""
         start = len(self.events)
-        await self.emit_message(text)
+        self.last_message_id = await self.emit_message(text)
         end = await self.wait_for("task_end", since=start, timeout=timeout)
         return self.collect(start, end + 1)
 
-    async def emit_message(self, text: str) -> None:
+    async def emit_message(self, text: str) -> str:
+        """Send a user message; its id (for `edit`)."""
+        message_id = str(uuid.uuid4())
         await self.sio.emit("client_message", {
-            "message": {"id": str(uuid.uuid4()), "threadId": "", "name": "User",
+            "message": {"id": message_id, "threadId": "", "name": "User",
                         "type": "user_message", "output": text,
                         "createdAt": datetime.datetime.now(datetime.timezone.utc).isoformat()},
             "fileReferences": []})
+        return message_id
+
+    async def edit(self, message_id: str, text: str, timeout: float = 300.0) -> Reply:
+        """Edit an earlier message, as the browser's edit button does, and collect the turn
+        that answers it."""
+        start = len(self.events)
+        await self.sio.emit("edit_message", {"message": {"id": message_id, "output": text}})
+        end = await self.wait_for("task_end", since=start, timeout=timeout)
+        return self.collect(start, end + 1)
 
     def collect(self, start: int, end: int) -> Reply:
         events = self.events[start:end]
@@ -145,6 +178,18 @@ class ChatClient:
         await self.sio.disconnect()
 
 
+@contextlib.asynccontextmanager
+async def serving(extra_env: dict | None = None, base_env: dict | None = None,
+                  timeout: float = 400.0):
+    """A Server, ready, and stopped on leaving."""
+    server = Server(extra_env, base_env)
+    try:
+        await server.wait_ready(timeout=timeout)
+        yield server
+    finally:
+        server.stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,6 +206,11 @@ class Server:
         self.log_path.parent.mkdir(exist_ok=True)
         base = os.environ if base_env is None else base_env
         env = {**TEST_ENV, **base, **(extra_env or {})}  # the environment's own values win
+        if not (extra_env or {}).get("VCHAT_DATA_DIR"):  # a fresh database and first admin
+            env["VCHAT_DATA_DIR"] = tempfile.mkdtemp(prefix="vchat-data-")
+            env.pop("DATABASE_URL", None)
+            env["CHAT_ADMIN_USER"], env["CHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
+        self.env = env
         chainlit = Path(sys.executable).parent / "chainlit"  # else a --target install
         command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
         self.proc = subprocess.Popen(

@@ -1,0 +1,231 @@
+"""Login and stored chats on the real server (`chainlit run app.py`, the labelled stand-in
+engine: the model does not matter here), over Chainlit's real HTTP API and socket, with
+the real SQLite database in the server's data folder."""
+
+import asyncio
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
+
+STAND_IN = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "200"}
+
+
+def add_user(server: Server, name: str, password: str) -> None:
+    env = {**os.environ, "VCHAT_DATA_DIR": server.env["VCHAT_DATA_DIR"]}
+    done = subprocess.run([sys.executable, "-m", "store", "users", "add", name, "--stdin"],
+                          input=password + "\n", env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+async def threads(server: Server, client: ChatClient) -> list[dict]:
+    token = await client.login()
+    async with httpx.AsyncClient(cookies={"access_token": token}) as http:
+        r = await http.post(server.url + "/project/threads", timeout=30,
+                            json={"pagination": {"first": 20}, "filter": {}})
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+@pytest.fixture(scope="module")
+async def server():
+    async with serving(STAND_IN, timeout=120) as srv:
+        yield srv
+
+
+async def test_a_wrong_login_is_refused_alike_and_no_socket_without_one(server):
+    async with httpx.AsyncClient() as http:
+        wrong = await http.post(server.url + "/login",
+                                data={"username": TEST_USER, "password": "wrong password"})
+        nobody = await http.post(server.url + "/login",
+                                 data={"username": "nobody", "password": TEST_PASSWORD})
+    assert wrong.status_code == nobody.status_code == 401
+    assert wrong.json() == nobody.json(), "the refusal does not say which part was wrong"
+    assert "access_token" not in wrong.cookies
+    stranger = ChatClient(server.url, "Latency-first")
+    with pytest.raises(Exception):
+        await stranger.sio.connect(server.url, socketio_path="/ws/socket.io",
+                                   transports=["websocket"],
+                                   auth={"sessionId": "x", "clientType": "webapp",
+                                         "userEnv": "{}", "chatProfile": "Latency-first"})
+    assert not stranger.sio.connected
+
+
+async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(tmp_path):
+    data = str(tmp_path / "data")
+    env = {**STAND_IN, "VCHAT_DATA_DIR": data, "CHAT_ADMIN_USER": TEST_USER,
+           "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+    async with serving(env, timeout=120) as srv:
+        add_user(srv, "other", "the other user's password")
+        alice = ChatClient(srv.url, "Latency-first")
+        await alice.connect()
+        await alice.settings(max_tokens=12, show_stats=False)
+        reply = await alice.send("Remember the word heliotrope.")
+        assert reply.reply["metadata"]["output_tokens"] == 12
+        await alice.close()
+        mine = await threads(srv, ChatClient(srv.url, "Latency-first"))
+        assert len(mine) == 1
+        other = ChatClient(srv.url, "Latency-first", user="other",
+                           password="the other user's password")
+        assert await threads(srv, other) == [], "another user's list is their own"
+        token = await other.login()
+        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
+            peek = await http.get(f"{srv.url}/project/thread/{mine[0]['id']}")
+            delete = await http.request("DELETE", srv.url + "/project/thread",
+                                        json={"threadId": mine[0]["id"]})
+        assert peek.status_code in (401, 403, 404) and delete.status_code in (401, 403, 404)
+    async with serving(env, timeout=120) as again:  # the same data folder: a restart
+        listed = await threads(again, ChatClient(again.url, "Latency-first"))
+        assert [t["id"] for t in listed] == [mine[0]["id"]], "nothing lost in a restart"
+        token = await ChatClient(again.url, "Latency-first").login()
+        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
+            thread = (await http.get(f"{again.url}/project/thread/{mine[0]['id']}")).json()
+        steps = sorted(thread["steps"], key=lambda step: step["createdAt"])
+        said = [(s["type"], s["output"]) for s in steps
+                if s["type"] in ("user_message", "assistant_message")]
+        # The stand-in's note at chat start, then the turn: both messages, in order.
+        assert said[-2:] == [("user_message", "Remember the word heliotrope."),
+                             ("assistant_message", reply.reply["output"])]
+
+
+async def test_without_an_admin_configured_the_first_start_prints_one_password(tmp_path):
+    # A data folder of our own: the launcher then sets no admin of its own either.
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_ADMIN_")}
+    async with serving({**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data")}, base,
+                       timeout=120) as srv:
+        found = re.search(r"log in as 'admin' with the password '([^']+)'", srv.log())
+        assert found, srv.log()[-2000:]
+        admin = ChatClient(srv.url, "Latency-first", user="admin", password=found.group(1))
+        await admin.login()
+    async with serving({**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data")}, base,
+                       timeout=120) as srv:  # a restart: the account is there, no new one
+        assert "log in as" not in srv.log_path.read_text()
+        await ChatClient(srv.url, "Latency-first", user="admin",
+                         password=found.group(1)).login()
+    assert (tmp_path / "data" / "auth-secret").is_file()
+
+
+async def test_a_resumed_chat_continues_with_the_same_context_after_a_restart(tmp_path):
+    """Turn 1 in a chat, the server restarted, the chat resumed, turn 2: the model's prompt
+    holds turn 1 exactly as a live chat's would (same token count as turn 2 of a live chat
+    with the same turn 1; the stats line shown under replies is not part of it)."""
+    env = {**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data"),
+           "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+    first, second = "Remember the word heliotrope.", "Which word did I ask you to remember?"
+
+    async def turn(client: ChatClient, text: str) -> dict:
+        reply = await client.send(text)
+        assert reply.reply is not None, reply.notes
+        return reply.reply["metadata"]
+
+    async with serving(env, timeout=120) as srv:
+        before = ChatClient(srv.url, "Throughput-first")
+        await before.connect()
+        await before.settings(max_tokens=12, show_stats=True)
+        await turn(before, first)
+        await before.close()
+        (stored,) = await threads(srv, ChatClient(srv.url, "Throughput-first"))
+    async with serving(env, timeout=120) as srv:  # a restart
+        resumed = ChatClient(srv.url, "Throughput-first")
+        await resumed.connect(resume=stored["id"])
+        await resumed.settings(max_tokens=12, show_stats=True)
+        after_resume = await turn(resumed, second)
+        live = ChatClient(srv.url, "Throughput-first")
+        await live.connect()
+        await live.settings(max_tokens=12, show_stats=True)
+        await turn(live, first)
+        live_second = await turn(live, second)
+        fresh = ChatClient(srv.url, "Throughput-first")
+        await fresh.connect()
+        await fresh.settings(max_tokens=12, show_stats=True)
+        alone = await turn(fresh, second)
+        for c in (resumed, live, fresh):
+            await c.close()
+    assert after_resume["profile"] == "Throughput-first"
+    assert after_resume["prompt_tokens"] == live_second["prompt_tokens"]
+    assert after_resume["prompt_tokens"] > alone["prompt_tokens"], "turn 1 is in the prompt"
+
+
+async def test_a_reply_cut_off_by_a_closed_browser_is_stored_as_shown(server):
+    user = ChatClient(server.url, "Latency-first")
+    await user.connect()
+    await user.settings(max_tokens=400, show_stats=False)  # 2 s at 200 tokens/s
+    start = len(user.events)
+    await user.emit_message("Write a very long essay about the sea.")
+    first = await user.wait_for("stream_token", since=start)
+    await user.wait_for("stream_token", since=first + 1)
+    await user.close()  # mid-reply
+    for _ in range(100):  # the app ends the turn and stores what was shown
+        (thread, *_) = await threads(server, ChatClient(server.url, "Latency-first"))
+        token = await ChatClient(server.url, "Latency-first").login()
+        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
+            steps = (await http.get(f"{server.url}/project/thread/{thread['id']}")).json()["steps"]
+        cut = [s for s in steps if (s.get("metadata") or {}).get("stopped")]
+        if cut:
+            break
+        await asyncio.sleep(0.1)
+    assert cut, steps
+    assert cut[0]["output"].lstrip().startswith("stand-in text")
+    assert cut[0]["output"].endswith("*Stopped.*")
+    assert any(s["type"] == "user_message" and s["output"].startswith("Write a very long")
+               for s in steps)
+
+
+async def test_a_write_the_database_refuses_is_told_to_the_user(tmp_path):
+    env = {**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data"),
+           "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+    async with serving(env, timeout=120) as srv:
+        user = ChatClient(srv.url, "Latency-first")
+        await user.connect()
+        await user.settings(max_tokens=8, show_stats=False)
+        assert (await user.send("Hello.")).notes == []
+        # The database loses the table replies go to (as a full disk or a broken schema
+        # would refuse the write): the next reply is shown, and the user is told.
+        with sqlite3.connect(tmp_path / "data" / "chat.db") as db:
+            db.execute("ALTER TABLE steps RENAME TO steps_gone")
+        reply = await user.send("Hello again.")
+        assert reply.reply["metadata"]["output_tokens"] == 8
+        assert any("could not be saved" in n for n in reply.notes), reply.notes
+        assert "database statement failed" in srv.log_path.read_text()
+        _, health = await srv.ready_state()
+        assert health["store"]["failed_writes"] >= 1
+        assert "steps" in health["store"]["last_failure"]
+        await user.close()
+
+
+async def test_an_edited_message_replaces_its_turn_and_drops_the_later_ones(server):
+    user = ChatClient(server.url, "Throughput-first")
+    await user.connect()
+    await user.settings(max_tokens=10, show_stats=False)
+    await user.send("My name is Ann.")
+    first_id = user.last_message_id
+    await user.send("What is my name?")
+    edited = await user.edit(first_id, "My name is Bob, and I like long names.")
+    fresh = ChatClient(server.url, "Throughput-first")
+    await fresh.connect()
+    await fresh.settings(max_tokens=10, show_stats=False)
+    alone = await fresh.send("My name is Bob, and I like long names.")
+    # The model's prompt after the edit: the edited text and nothing of the dropped turns,
+    # token for token what a new chat with that one message sends.
+    assert edited.reply is not None, edited.notes
+    assert edited.reply["metadata"]["prompt_tokens"] == alone.reply["metadata"]["prompt_tokens"]
+    follow = await user.send("What is my name?")
+    first_follow = alone.reply["metadata"]["prompt_tokens"]
+    assert follow.reply["metadata"]["prompt_tokens"] > first_follow
+    # The stored chat as the page shows it: the edited message, its reply, the follow-up.
+    thread_id = next(e.data["thread_id"] for e in user.events if e.name == "first_interaction")
+    token = await user.login()
+    async with httpx.AsyncClient(cookies={"access_token": token}) as http:
+        steps = (await http.get(f"{server.url}/project/thread/{thread_id}")).json()["steps"]
+    said = [s["output"] for s in sorted(steps, key=lambda s: s["createdAt"])
+            if s["type"] == "user_message"]
+    assert said == ["My name is Bob, and I like long names.", "What is my name?"]
+    for c in (user, fresh):
+        await c.close()
