@@ -13,9 +13,9 @@ import os
 
 import chainlit as cl
 from chainlit.config import config as chainlit_config
-from chainlit.types import ThreadDict
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
+from chainlit.types import ThreadDict
 from starlette.responses import JSONResponse
 
 from chat import stalls
@@ -29,7 +29,7 @@ from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_SAVED, RANDOM_WEIGH
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
 from store.accounts import Accounts
-from store.data_layer import ChatDataLayer, StoreError
+from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 from store.setup import auth_secret, data_dir, first_admin
 

@@ -88,8 +88,10 @@ class Conversation:
     def rewind(self, message_id: str | None) -> int:
         """The user edited an earlier message: that turn and every later one leave the
         history, as they leave the page. Returns how many turns went (0: not an edit)."""
+        if message_id is None:
+            return 0
         for i, turn in enumerate(self.turns):
-            if message_id is not None and turn.message_id == message_id:
+            if turn.message_id == message_id:
                 dropped = len(self.turns) - i
                 del self.turns[i:]
                 return dropped

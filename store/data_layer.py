@@ -9,7 +9,8 @@
   error, counted (`failures`, shown by the app's /ready) and raised. Chainlit writes steps
   in tasks it does not await, so the app asks `settle(thread_id)` at the end of a turn:
   it waits for that thread's writes and returns what failed, to tell the user.
-- Thread times are written in UTC (Chainlit writes local time with a "Z").
+- Thread times are written in UTC by chat/stalls.py's clock, as the app's messages and
+  steps are (Chainlit writes local time with a "Z").
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import asyncio
 import contextlib
 import json
 import logging
-from datetime import datetime, timezone
 from typing import Any
 
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 from sqlalchemy import text
+
+from chat.stalls import CLOCK
 
 log = logging.getLogger("store")
 
@@ -76,8 +78,7 @@ class ChatDataLayer(SQLAlchemyDataLayer):
         return obj
 
     async def get_current_timestamp(self) -> str:
-        now = datetime.now(timezone.utc).replace(tzinfo=None)
-        return now.isoformat(timespec="microseconds") + "Z"
+        return CLOCK.utc_now()  # the same UTC clock as the app's messages and steps
 
     async def create_step(self, step_dict) -> None:
         """Chainlit runs this in a task of its own; the task is tracked per thread."""

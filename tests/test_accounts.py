@@ -26,12 +26,16 @@ def add_user(server: Server, name: str, password: str) -> None:
 
 
 async def threads(server: Server, client: ChatClient) -> list[dict]:
-    token = await client.login()
-    async with httpx.AsyncClient(cookies={"access_token": token}) as http:
-        r = await http.post(server.url + "/project/threads", timeout=30,
+    async with client.api() as http:
+        r = await http.post("/project/threads",
                             json={"pagination": {"first": 20}, "filter": {}})
     assert r.status_code == 200, r.text
     return r.json()["data"]
+
+
+async def thread_steps(client: ChatClient, thread_id: str) -> list[dict]:
+    async with client.api() as http:
+        return (await http.get(f"/project/thread/{thread_id}")).json()["steps"]
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +79,16 @@ async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(
         other = ChatClient(srv.url, "Latency-first", user="other",
                            password="the other user's password")
         assert await threads(srv, other) == [], "another user's list is their own"
-        token = await other.login()
-        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
-            peek = await http.get(f"{srv.url}/project/thread/{mine[0]['id']}")
-            delete = await http.request("DELETE", srv.url + "/project/thread",
+        async with other.api() as http:
+            peek = await http.get(f"/project/thread/{mine[0]['id']}")
+            delete = await http.request("DELETE", "/project/thread",
                                         json={"threadId": mine[0]["id"]})
         assert peek.status_code in (401, 403, 404) and delete.status_code in (401, 403, 404)
     async with serving(env, timeout=120) as again:  # the same data folder: a restart
         listed = await threads(again, ChatClient(again.url, "Latency-first"))
         assert [t["id"] for t in listed] == [mine[0]["id"]], "nothing lost in a restart"
-        token = await ChatClient(again.url, "Latency-first").login()
-        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
-            thread = (await http.get(f"{again.url}/project/thread/{mine[0]['id']}")).json()
-        steps = sorted(thread["steps"], key=lambda step: step["createdAt"])
+        steps = sorted(await thread_steps(ChatClient(again.url, "Latency-first"), mine[0]["id"]),
+                       key=lambda step: step["createdAt"])
         said = [(s["type"], s["output"]) for s in steps
                 if s["type"] in ("user_message", "assistant_message")]
         # The stand-in's note at chat start, then the turn: both messages, in order.
@@ -163,10 +164,9 @@ async def test_a_reply_cut_off_by_a_closed_browser_is_stored_as_shown(server):
     await user.wait_for("stream_token", since=first + 1)
     await user.close()  # mid-reply
     for _ in range(100):  # the app ends the turn and stores what was shown
-        (thread, *_) = await threads(server, ChatClient(server.url, "Latency-first"))
-        token = await ChatClient(server.url, "Latency-first").login()
-        async with httpx.AsyncClient(cookies={"access_token": token}) as http:
-            steps = (await http.get(f"{server.url}/project/thread/{thread['id']}")).json()["steps"]
+        owner = ChatClient(server.url, "Latency-first")
+        (thread, *_) = await threads(server, owner)
+        steps = await thread_steps(owner, thread["id"])
         cut = [s for s in steps if (s.get("metadata") or {}).get("stopped")]
         if cut:
             break
@@ -221,9 +221,7 @@ async def test_an_edited_message_replaces_its_turn_and_drops_the_later_ones(serv
     assert follow.reply["metadata"]["prompt_tokens"] > first_follow
     # The stored chat as the page shows it: the edited message, its reply, the follow-up.
     thread_id = next(e.data["thread_id"] for e in user.events if e.name == "first_interaction")
-    token = await user.login()
-    async with httpx.AsyncClient(cookies={"access_token": token}) as http:
-        steps = (await http.get(f"{server.url}/project/thread/{thread_id}")).json()["steps"]
+    steps = await thread_steps(user, thread_id)
     said = [s["output"] for s in sorted(steps, key=lambda s: s["createdAt"])
             if s["type"] == "user_message"]
     assert said == ["My name is Bob, and I like long names.", "What is my name?"]

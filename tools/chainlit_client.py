@@ -93,6 +93,14 @@ class ChatClient:
             raise PermissionError(f"login as {self.user!r} refused: {r.status_code} {r.text}")
         return r.cookies["access_token"]
 
+    @contextlib.asynccontextmanager
+    async def api(self):
+        """An HTTP client logged in as this user, for Chainlit's REST API (/project/...)."""
+        token = await self.login()
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=60,
+                                     cookies={"access_token": token}) as http:
+            yield http
+
     async def connect(self, wait_chat_start: bool = True, resume: str = "") -> None:
         """Log in and open a session: a new chat, or with `resume` that stored chat's id
         reopened (then it waits for the app's settings panel, the last thing it sends)."""
