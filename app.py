@@ -12,6 +12,7 @@ import logging
 import os
 
 import chainlit as cl
+from chainlit.chat_context import chat_context
 from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
@@ -20,15 +21,15 @@ from starlette.responses import JSONResponse
 
 from chat import stalls
 from chat.input import check_message
-from chat.session import HISTORY_CHARS, Conversation, stored_turns
+from chat.session import HISTORY_CHARS, Conversation, Turn, stored_turns
 from chat.shutdown import Shutdown
 from chat.streaming import Coalescer, Pace
-from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_SAVED, RANDOM_WEIGHTS, STAND_IN,
-                       STARTING, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
-                       stats_line)
+from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
+                       RANDOM_WEIGHTS, STAND_IN, STARTING, UNEXPECTED, WITHDRAWN, queued_notice,
+                       reply_metadata, stats_line)
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
-from store.accounts import Accounts
+from store.accounts import Accounts, AddressThrottle
 from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 from store.setup import auth_secret, data_dir, first_admin
@@ -57,6 +58,7 @@ try:
     os.environ["CHAINLIT_AUTH_SECRET"] = auth_secret(DATA_DIR)
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
+    LOGIN_ADDRESSES = AddressThrottle()
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
 
@@ -74,6 +76,19 @@ async def login(username: str, password: str) -> cl.User | None:
         log.info("login refused for %r", username[:100])
         return None
     return cl.User(identifier=account.identifier, metadata={"role": account.role})
+
+
+@http.middleware("http")
+async def slow_failing_addresses(request, call_next):
+    """Logins from an address that keeps failing wait, whatever names it tries (Chainlit's
+    login callback is not told the address, so this wraps its POST /login)."""
+    if request.method != "POST" or request.url.path != "/login":
+        return await call_next(request)
+    address = request.client.host if request.client else "unknown"
+    await asyncio.sleep(LOGIN_ADDRESSES.wait_s(address))
+    response = await call_next(request)
+    LOGIN_ADDRESSES.record(address, ok=response.status_code < 400)
+    return response
 
 
 @cl.on_app_startup
@@ -172,6 +187,8 @@ async def chat_resume(thread: ThreadDict) -> None:
     conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
+    if conv.turns:
+        await offer_regenerate(conv.turns[-1].reply_id)
     log.info("chat %s resumed with %d turns", thread.get("id"), len(conv.turns))
 
 
@@ -229,11 +246,18 @@ async def on_message(message: cl.Message) -> None:
     except ChatError as exc:  # refused: nothing is stored, the chat goes on
         await cl.Message(content=str(exc)).send()
         return
+    await take_turn(conv, Message("user", checked.text), message.id, checked.notice)
+
+
+async def take_turn(conv: Conversation, user: Message, message_id: str,
+                    notice: str | None = None) -> None:
+    """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly."""
     try:
         with SHUTDOWN.turn():
-            if checked.notice:
-                await cl.Message(content=checked.notice).send()
-            await answer(conv, Message("user", checked.text), message.id)
+            await withdraw_regenerate()  # the reply that offered it is no longer the last
+            if notice:
+                await cl.Message(content=notice).send()
+            await answer(conv, user, message_id)
     except ChatError as exc:  # explained (queue full, engine restarting...): nothing stored
         await cl.Message(content=str(exc)).send()
     except Exception:  # a bug or an engine failure: logged, never a trace to the user
@@ -241,6 +265,63 @@ async def on_message(message: cl.Message) -> None:
         await cl.Message(content=UNEXPECTED).send()
     finally:
         conv.end_turn()
+
+
+REGENERATE = "regenerate"
+
+
+async def offer_regenerate(reply_id: str | None) -> None:
+    """A "Regenerate" button under the last reply (only there: the one before goes)."""
+    await withdraw_regenerate()
+    if reply_id is not None and not SHUTDOWN.closing:
+        button = cl.Action(name=REGENERATE, payload={}, label="Regenerate", icon="refresh-cw",
+                           tooltip="Write this reply again")
+        await button.send(for_id=reply_id)
+        cl.user_session.set(REGENERATE, button)
+
+
+async def withdraw_regenerate() -> None:
+    button: cl.Action | None = cl.user_session.get(REGENERATE)
+    if button is not None:
+        cl.user_session.set(REGENERATE, None)
+        await button.remove()
+
+
+@cl.action_callback(REGENERATE)
+async def regenerate(button: cl.Action) -> None:
+    """The last reply written again: it leaves the page, the stored chat and the history,
+    and its message is answered anew. Chainlit calls this from an HTTP request, not as a
+    turn: the answer runs as the session's task, so Stop ends it as it ends any reply."""
+    conv: Conversation = cl.user_session.get("conversation")
+    turn = None
+    if not SHUTDOWN.closing and conv is not None and not conv.in_flight:
+        turn = conv.take_back(button.forId)
+    if turn is None:
+        await cl.Message(content=CLOSING if SHUTDOWN.closing else NOT_REGENERATED).send()
+        return
+    try:
+        conv.begin_turn()
+    except ChatError as exc:  # too many turns this minute: the reply stays
+        conv.turns.append(turn)
+        await cl.Message(content=str(exc)).send()
+        return
+    session = cl.context.session
+    task = asyncio.create_task(answer_again(conv, turn))
+    session.current_task = task  # what Stop cancels
+    SETTLING.add(task)
+    task.add_done_callback(SETTLING.discard)
+
+
+async def answer_again(conv: Conversation, turn: Turn) -> None:
+    await cl.context.emitter.task_start()
+    try:
+        shown = next((m for m in chat_context.get() if m.id == turn.reply_id), None)
+        await (shown or cl.Message(content="", id=turn.reply_id)).remove()
+        await take_turn(conv, turn.user, turn.message_id)
+    except asyncio.CancelledError:
+        pass  # stopped: answer() kept what was shown (or said it was withdrawn)
+    finally:
+        await cl.context.emitter.task_end()
 
 
 class PlaceInLine:
@@ -276,13 +357,16 @@ async def answer(conv: Conversation, user: Message, message_id: str) -> None:
         raise
     finally:
         await note.remove()
-    conv.record(user, reply.content, message_id)
+    conv.record(user, reply.content, message_id, reply.id)
     reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
                       HISTORY_CHARS: len(reply.content)}
     if conv.settings.show_stats:
         reply.content += "\n\n" + stats_line(stats, conv.profile.name)
     await reply.send()
-    await check_saved()
+    await offer_regenerate(reply.id)
+    # The next message need not wait for the database: the turn ends now, and the check
+    # runs after it (a shutdown waits for it). Before: BENCHMARKS.md, "Writes to the database".
+    SHUTDOWN.finish_later(check_saved())
 
 
 async def check_saved() -> None:
@@ -320,8 +404,9 @@ async def end_early(conv: Conversation, user: Message, reply: cl.Message,
     if not reply.content:
         await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
         return
-    conv.record(user, reply.content, message_id)
+    conv.record(user, reply.content, message_id, reply.id)
     reply.metadata = {"stopped": True, "profile": conv.profile.name, "cut_by_shutdown": closing,
                       HISTORY_CHARS: len(reply.content)}
     reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"
     await reply.send()
+    await offer_regenerate(reply.id)

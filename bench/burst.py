@@ -38,19 +38,28 @@ async def bursts(sessions: int, rounds: int) -> list[dict]:
             sent = time.monotonic()
             await asyncio.gather(*[c.emit_message(f"Hello, number {i} of burst {r}.")
                                    for i, c in enumerate(clients)])
-            await asyncio.gather(*[c.wait_for("task_end", since=s, timeout=120)
-                                   for c, s in zip(clients, starts)])
-            first = sorted(
-                next(e.at for e in c.events[s:] if e.name in ("stream_start", "stream_token"))
-                - sent for c, s in zip(clients, starts))
-            out.append({"first_text_ms": {
-                "min": round(first[0] * 1000), "p50": round(statistics.median(first) * 1000),
-                "max": round(first[-1] * 1000)}})
-            print(f"burst {r + 1}: first text after {out[-1]['first_text_ms']} ms", flush=True)
+            ends = await asyncio.gather(*[c.wait_for("task_end", since=s, timeout=120)
+                                          for c, s in zip(clients, starts)])
+            texts = [[e.at for e in c.events[s:end] if e.name in ("stream_start", "stream_token")]
+                     for c, s, end in zip(clients, starts, ends)]
+            out.append({
+                "first_text_ms": spread([t[0] - sent for t in texts]),
+                # From the reply's last text to the turn's end (the next message allowed): the
+                # turn's closing work, the wait for its writes to the database among it.
+                "closing_ms": spread([c.events[end].at - t[-1]
+                                      for c, t, end in zip(clients, texts, ends)])})
+            print(f"burst {r + 1}: first text after {out[-1]['first_text_ms']} ms, "
+                  f"turn closed {out[-1]['closing_ms']} ms after the last text", flush=True)
         await asyncio.gather(*[c.close() for c in clients])
         return out
     finally:
         server.stop()
+
+
+def spread(seconds: list[float]) -> dict:
+    ordered = sorted(seconds)
+    return {"min": round(ordered[0] * 1000), "p50": round(statistics.median(ordered) * 1000),
+            "max": round(ordered[-1] * 1000)}
 
 
 def main() -> None:
@@ -59,9 +68,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=whole_number, default=4)
     args = parser.parse_args()
     runs = asyncio.run(bursts(args.sessions, args.rounds))
-    p50s = [r["first_text_ms"]["p50"] for r in runs]
-    print(json.dumps({"sessions": args.sessions, "bursts": runs,
-                      "median_p50_ms": statistics.median(p50s)}))
+    print(json.dumps({"sessions": args.sessions, "bursts": runs, **{
+        f"median_{key}_p50": statistics.median(r[key]["p50"] for r in runs)
+        for key in ("first_text_ms", "closing_ms")}}))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Turn:
     user: Message
     reply: Message  # as shown: a stopped reply is the part the user saw
     message_id: str | None = None  # the user's message in the chat (for edits)
+    reply_id: str | None = None  # the reply's message in the chat (to answer again)
 
 
 @dataclass
@@ -77,13 +78,21 @@ class Conversation:
     def end_turn(self) -> None:
         self.in_flight = False
 
-    def record(self, user: Message, reply: str, message_id: str | None = None) -> None:
-        self.turns.append(Turn(user, Message("assistant", reply), message_id))
+    def record(self, user: Message, reply: str, message_id: str | None = None,
+               reply_id: str | None = None) -> None:
+        self.turns.append(Turn(user, Message("assistant", reply), message_id, reply_id))
 
-    def restore(self, turns: list[tuple[str, str, str]]) -> None:
+    def restore(self, turns: list[tuple[str, str, str, str]]) -> None:
         """A stored chat's turns (stored_turns), as if they had just been recorded."""
-        for message_id, user, reply in turns:
-            self.record(Message("user", user), reply, message_id)
+        for message_id, user, reply, reply_id in turns:
+            self.record(Message("user", user), reply, message_id, reply_id)
+
+    def take_back(self, reply_id: str | None) -> Turn | None:
+        """The user asked for the last reply again: its turn leaves the history (and is
+        returned, to answer its message again). None if `reply_id` is not the last reply."""
+        if not self.turns or reply_id is None or self.turns[-1].reply_id != reply_id:
+            return None
+        return self.turns.pop()
 
     def rewind(self, message_id: str | None) -> int:
         """The user edited an earlier message: that turn and every later one leave the
@@ -148,9 +157,10 @@ _LABELS = {"temperature": "Temperature", "max_tokens": "Max tokens"}
 HISTORY_CHARS = "history_chars"
 
 
-def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, str]]:
+def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, str, str]]:
     """A stored chat's turns, as the live chat recorded them: (the user message's id, its
-    text, the reply that answered it; a reply carries HISTORY_CHARS). A message that got no reply
+    text, the reply that answered it (a reply carries HISTORY_CHARS), the reply's id). A
+    message that got no reply
     (refused, withdrawn, failed) and the notes around turns are not part of it, as they
     were not live. The user's text goes through the same check as when it was sent."""
     turns, asked = [], None
@@ -162,7 +172,8 @@ def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, 
             if isinstance(chars, int) and not isinstance(chars, bool):
                 try:
                     text = check_message(asked.get("output") or "", message_chars).text
-                    turns.append((asked.get("id"), text, (step.get("output") or "")[:chars]))
+                    turns.append((asked.get("id"), text, (step.get("output") or "")[:chars],
+                                  step.get("id")))
                 except ChatError:
                     pass
                 asked = None

@@ -21,6 +21,7 @@ class Shutdown:
         self.grace_s = grace_s
         self.closing = False
         self._turns: set[asyncio.Task] = set()
+        self._after: set[asyncio.Task] = set()  # turns' work after their reply (finish_later)
         self._drain: asyncio.Task | None = None  # held: the loop keeps only a weak reference
 
     @property
@@ -38,12 +39,20 @@ class Shutdown:
         finally:
             self._turns.discard(task)
 
+    def finish_later(self, work) -> asyncio.Task:
+        """Run the coroutine `work` past the end of the current turn (the turn's last
+        writes to the database): a shutdown waits for it as for a turn in flight."""
+        task = asyncio.create_task(work)
+        self._after.add(task)
+        task.add_done_callback(self._after.discard)
+        return task
+
     async def drain(self) -> tuple[int, int]:
         """Close to new turns, wait up to `grace_s` for the turns in flight, cancel those
         still running (each ends itself cleanly on cancellation) and wait for them to have
         done so. Returns (finished, cut)."""
         self.closing = True
-        running = set(self._turns)
+        running = self._turns | self._after
         if not running:
             return 0, 0
         log.info("stopping: finishing %d turn(s) in flight, at most %g s (signal again to "

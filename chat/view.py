@@ -18,6 +18,8 @@ STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model
 NOT_SAVED = ("This turn is shown but could not be saved to your chat history (the database "
              "refused it; the operator's log says why). It will be missing if you reopen "
              "this chat.")
+NOT_REGENERATED = ("Only the last reply can be written again, and only when no reply is being "
+                   "written: this one stays as it is.")
 RANDOM_WEIGHTS = ("**Test mode:** this server runs the model with random weights (its real "
                   "size and speed, but no training). Replies are random text, not answers.")
 

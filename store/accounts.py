@@ -4,7 +4,9 @@ Passwords are kept only as argon2id hashes (argon2-cffi's defaults, RFC 9106's s
 recommended set). A failed login answers the same whatever was wrong (no such user, wrong
 password) and costs the same time (a dummy hash is checked for an unknown user); repeated
 failures for one name are slowed down: the n-th failure in a row waits
-min(0.25 * 2^(n-1), MAX_DELAY_S) before the next attempt is even checked.
+min(0.25 * 2^(n-1), MAX_DELAY_S) before the next attempt is even checked. Failures from one
+address are slowed the same way whatever names they try (`AddressThrottle`: one password
+tried on many accounts).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -40,6 +43,39 @@ class Account:
 
 def failure_delay(failures: int) -> float:
     return 0.0 if failures <= 0 else min(0.25 * 2 ** (failures - 1), MAX_DELAY_S)
+
+
+class AddressThrottle:
+    """Failed logins in a row per client address, in memory (a restart forgets them): the
+    next attempt from an address waits `failure_delay` of its failures, counted from the
+    last one. A success from the address, or an hour without failures, clears it. Behind a
+    reverse proxy the address is the forwarded one when the proxy is trusted (uvicorn
+    trusts 127.0.0.1; FORWARDED_ALLOW_IPS names others), else every user shares the
+    proxy's."""
+
+    FORGET_S = 3600.0
+
+    def __init__(self, addresses: int = 10_000):
+        self.addresses = addresses
+        self._failed: OrderedDict[str, tuple[int, float]] = OrderedDict()  # n, last at
+
+    def wait_s(self, address: str, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        failures, last = self._failed.get(address, (0, now))
+        if now - last > self.FORGET_S:
+            return 0.0
+        return max(0.0, failure_delay(failures) - (now - last))
+
+    def record(self, address: str, ok: bool, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        failures, last = self._failed.pop(address, (0, now))
+        if ok:
+            return
+        if now - last > self.FORGET_S:
+            failures = 0
+        self._failed[address] = (failures + 1, now)
+        while len(self._failed) > self.addresses:  # the longest quiet goes first
+            self._failed.popitem(last=False)
 
 
 def generate_password() -> str:

@@ -7,8 +7,11 @@
 - Chainlit's `execute_sql` catches every error, logs a warning and returns None, so a failed
   INSERT loses data without a trace. Here a failed statement is rolled back, logged as an
   error, counted (`failures`, shown by the app's /ready) and raised. Chainlit writes steps
-  in tasks it does not await, so the app asks `settle(thread_id)` at the end of a turn:
-  it waits for that thread's writes and returns what failed, to tell the user.
+  in tasks it does not await, so the app asks `settle(thread_id)` after a turn (in a task
+  of its own: the turn does not wait): it waits for that thread's writes and returns what
+  failed, to tell the user.
+- Chainlit reads the thread before every step it writes; a thread known to exist is not
+  read again. SQLite gets one connection in WAL mode (store/schema.py's `connect`).
 - Thread times are written in UTC by chat/stalls.py's clock, as the app's messages and
   steps are (Chainlit writes local time with a "Z").
 """
@@ -25,6 +28,7 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 from sqlalchemy import text
 
 from chat.stalls import CLOCK
+from store.schema import connect
 
 log = logging.getLogger("store")
 
@@ -34,6 +38,9 @@ STRUCTURED = {"tags", "thread_tags", "step_tags", "modes", "metadata", "thread_m
               "step_metadata", "generation", "step_generation", "playerConfig"}
 
 
+KNOWN_THREADS = 50_000  # thread ids remembered as existing (update_thread)
+
+
 class StoreError(RuntimeError):
     """A write or read the database refused."""
 
@@ -41,7 +48,10 @@ class StoreError(RuntimeError):
 class ChatDataLayer(SQLAlchemyDataLayer):
     def __init__(self, url: str):
         super().__init__(conninfo=url, storage_provider=None)
+        self.engine = connect(url)  # not Chainlit's: store/schema.py's, SQLite set up
         self.sqlite = url.startswith("sqlite")
+        self._threads: set[str] = set()  # threads this process knows exist
+        self._users = asyncio.Lock()
         self.failures = 0
         self.last_failure: str | None = None
         self._writes: dict[str, set[asyncio.Task]] = {}  # thread id -> writes under way
@@ -51,21 +61,41 @@ class ChatDataLayer(SQLAlchemyDataLayer):
         if self.sqlite:
             parameters = {k: json.dumps(v) if isinstance(v, (list, dict)) else v
                           for k, v in parameters.items()}
-        async with self.async_session() as session:
-            try:
-                await session.begin()
-                result = await session.execute(text(query), parameters)
-                await session.commit()
-                if result.returns_rows:
-                    return self.clean_result([dict(row._mapping) for row in result.fetchall()])
-                return result.rowcount
-            except Exception as exc:
-                await session.rollback()
-                self.failures += 1
-                self.last_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                log.error("database statement failed (%s): %s", query.split()[0],
-                          self.last_failure)
-                raise StoreError(self.last_failure) from exc
+        try:
+            async with self.engine.begin() as conn:  # rolled back if anything fails
+                result = await conn.execute(text(query), parameters)
+                rows = [dict(r._mapping) for r in result.fetchall()] if result.returns_rows \
+                    else None
+        except Exception as exc:
+            self.failures += 1
+            self.last_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            log.error("database statement failed (%s): %s", query.split()[0], self.last_failure)
+            raise StoreError(self.last_failure) from exc
+        return result.rowcount if rows is None else self.clean_result(rows)
+
+    async def update_thread(self, thread_id: str, name: str | None = None,
+                            user_id: str | None = None, metadata: dict | None = None,
+                            tags: list[str] | None = None) -> None:
+        """Chainlit calls this before every step it writes, only to be sure the thread
+        exists (a read, and an insert the first time): for a thread written here before,
+        that call is skipped, which halves a turn's statements."""
+        if thread_id in self._threads and (name, user_id, metadata, tags) == (None,) * 4:
+            return
+        await super().update_thread(thread_id, name, user_id, metadata, tags)
+        if len(self._threads) >= KNOWN_THREADS:
+            self._threads.clear()  # re-read once each
+        self._threads.add(thread_id)
+
+    async def create_user(self, user):
+        """Chainlit reads, then inserts the user of each login: two first logins at once
+        both inserted, and one failed (bench/burst.py's 256 sessions found it). One at a
+        time here; logins are few. (Two app processes on one database can still race.)"""
+        async with self._users:
+            return await super().create_user(user)
+
+    async def delete_thread(self, thread_id: str) -> None:
+        self._threads.discard(thread_id)
+        await super().delete_thread(thread_id)
 
     def clean_result(self, obj):
         obj = super().clean_result(obj)

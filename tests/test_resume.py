@@ -25,12 +25,18 @@ def test_turns_are_the_answered_messages_with_the_reply_as_the_history_held_it()
         step("run", "", "03"),  # Chainlit's own steps are not messages
     ]
     turns = stored_turns(list(reversed(steps)), message_chars=100)  # any order: by time
-    assert turns == [("id-02", "What is 2 + 2?", "4"), ("id-07", "Tell me a story.", "Once upon")]
+    assert turns == [("id-02", "What is 2 + 2?", "4", "id-04"),
+                     ("id-07", "Tell me a story.", "Once upon", "id-09")]
     conv = Conversation.start(load_config().default_profile)
     conv.restore(turns)
     assert [(m.role, m.content) for m in conv.history()] == [
         ("user", "What is 2 + 2?"), ("assistant", "4"),
         ("user", "Tell me a story."), ("assistant", "Once upon")]
+    # Only the last reply can be asked for again; its turn leaves the history.
+    assert conv.take_back("id-04") is None and len(conv.turns) == 2
+    again = conv.take_back("id-09")
+    assert again.message_id == "id-07" and again.user.content == "Tell me a story."
+    conv.restore(turns[1:])
     # An edit of the first message takes both turns out, as the page does.
     assert conv.rewind("id-07") == 1 and conv.rewind("no such message") == 0
     assert conv.rewind("id-02") == 1 and conv.history() == []

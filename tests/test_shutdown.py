@@ -47,3 +47,17 @@ async def test_a_turn_that_fails_still_leaves_the_count():
     task = asyncio.create_task(failing())
     await asyncio.wait([task])
     assert shutdown.turns == 0 and isinstance(task.exception(), ValueError)
+
+
+async def test_work_a_turn_left_to_finish_later_is_waited_for_but_not_counted_as_a_turn():
+    shutdown = Shutdown(grace_s=5)
+    saved = []
+
+    async def save():
+        await asyncio.sleep(0.1)
+        saved.append("the turn's writes")
+
+    shutdown.finish_later(save())
+    assert shutdown.turns == 0, "not a turn in flight (readiness counts turns)"
+    assert await shutdown.drain() == (1, 0)
+    assert saved == ["the turn's writes"]

@@ -64,7 +64,8 @@ def test_the_long_lived_heap_is_left_out_of_collections():
         frozen = stalls.freeze_heap()
         assert frozen == gc.get_freeze_count() > 10_000  # this process: pytest, chainlit...
         young = [object() for _ in range(10)]
-        assert gc.get_freeze_count() == frozen, "objects made later are collected as usual"
+        # Frozen objects may still be freed (by reference counting); none are added.
+        assert gc.get_freeze_count() <= frozen, "objects made later are collected as usual"
         del young
     finally:
         gc.unfreeze()  # the rest of the test session as it was

@@ -1,7 +1,7 @@
 """store/: the schema on a real SQLite file (created, migrated, matching what Chainlit 2.12
 writes), Chainlit's data layer on it with its SQLite traps handled, password accounts, the
-operator's users command and the data folder's secret and first admin. Not yet wired into
-the app (issue 15 continues)."""
+operator's users command and the data folder's secret and first admin (the app on them:
+tests/test_accounts.py; the same on PostgreSQL: tests/test_postgres.py)."""
 
 import os
 import stat
@@ -188,6 +188,61 @@ async def test_a_failed_write_is_raised_counted_and_reported_for_its_thread(laye
     assert len(told) == 1 and "noSuchColumn" in told[0]
     assert await layer.settle("t-2") == [], "each failure is reported once"
     assert await layer.healthy()
+
+
+def test_an_address_that_keeps_failing_waits_and_is_forgotten_after_success_or_an_hour():
+    from store.accounts import AddressThrottle
+
+    throttle = AddressThrottle(addresses=2)
+    for n in range(3):
+        throttle.record("10.0.0.1", ok=False, now=100.0 + n)
+    assert throttle.wait_s("10.0.0.1", now=102.0) == failure_delay(3)
+    assert throttle.wait_s("10.0.0.1", now=102.5) == failure_delay(3) - 0.5
+    assert throttle.wait_s("10.0.0.2", now=102.0) == 0, "other addresses are not slowed"
+    throttle.record("10.0.0.1", ok=True, now=103.0)
+    assert throttle.wait_s("10.0.0.1", now=103.0) == 0
+    throttle.record("10.0.0.1", ok=False, now=200.0)
+    assert throttle.wait_s("10.0.0.1", now=200.0 + AddressThrottle.FORGET_S + 1) == 0
+    throttle.record("10.0.0.1", ok=False, now=200.0 + AddressThrottle.FORGET_S + 1)
+    assert throttle.wait_s("10.0.0.1", now=200.0 + AddressThrottle.FORGET_S + 1) == \
+        failure_delay(1), "an hour's quiet starts the count again"
+    for address in ("10.0.0.2", "10.0.0.3"):  # bounded: the longest quiet is dropped
+        throttle.record(address, ok=False, now=5000.0)
+    assert throttle.wait_s("10.0.0.1", now=5000.0) == 0
+
+
+async def test_a_turns_writes_land_in_order_in_few_statements_on_a_wal_database(layer):
+    """A step is written when its reply starts and again when it ends, both in tasks nobody
+    awaits: through SQLite's one connection the end lands last, for every turn of a burst.
+    A thread already written is not read again before each step (Chainlit's layer reads it
+    every time): a turn's steps cost one statement each."""
+    import asyncio
+
+    from sqlalchemy import event
+
+    init_http_context()
+    async with layer.engine.connect() as conn:
+        assert (await conn.execute(text("PRAGMA journal_mode"))).scalar_one() == "wal"
+    statements = []
+    event.listen(layer.engine.sync_engine, "before_cursor_execute",
+                 lambda *args: statements.append(args[2].split()[0]))
+    replies = []
+    for n in range(64):
+        await layer.update_thread(f"t-{n}", name=f"Chat {n}")
+        reply = Message(content="", type="assistant_message")
+        reply.thread_id = f"t-{n}"
+        replies.append(reply)
+    statements.clear()
+    writes = []
+    for reply in replies:  # the reply starts streaming, then ends, while others write
+        writes.append(asyncio.create_task(layer.create_step(reply.to_dict())))
+        reply.content = f"The whole reply {reply.thread_id}."
+        writes.append(asyncio.create_task(layer.update_step(reply.to_dict())))
+    await asyncio.gather(*writes)
+    assert statements == ["INSERT"] * 128, statements[:6]
+    for reply in replies:
+        steps = (await layer.get_thread(reply.thread_id))["steps"]
+        assert [s["output"] for s in steps] == [reply.content]
 
 
 def store_command(tmp_path, *args, stdin: str = ""):

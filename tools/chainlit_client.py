@@ -75,6 +75,7 @@ class ChatClient:
                  password: str = TEST_PASSWORD):
         self.base_url, self.profile = base_url, profile
         self.user, self.password = user, password
+        self.session_id = str(uuid.uuid4())
         self.sio = socketio.AsyncClient(reconnection=False)
         self.events: list[Event] = []
         self._changed = asyncio.Event()
@@ -109,7 +110,7 @@ class ChatClient:
             self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
             headers={"Cookie": f"access_token={token}"},
             wait_timeout=30,  # the default 1 s is too short for many sessions at once
-            auth={"sessionId": str(uuid.uuid4()), "clientType": "webapp", "userEnv": "{}",
+            auth={"sessionId": self.session_id, "clientType": "webapp", "userEnv": "{}",
                   "chatProfile": self.profile, "threadId": resume})
         await self.sio.emit("connection_successful")
         if resume:
@@ -158,6 +159,36 @@ class ChatClient:
         await self.sio.emit("edit_message", {"message": {"id": message_id, "output": text}})
         end = await self.wait_for("task_end", since=start, timeout=timeout)
         return self.collect(start, end + 1)
+
+    async def wait_for_note(self, text: str, since: int, timeout: float = 60.0) -> str:
+        """A message (not streamed) containing `text`, sent at or after event `since`, even
+        after its turn ended."""
+        while True:
+            found = next((e.data["output"] for e in self.events[since:]
+                          if e.name == "new_message" and text in e.data.get("output", "")), None)
+            if found is not None:
+                return found
+            since = await self.wait_for("new_message", since=len(self.events), timeout=timeout)
+
+    def actions(self, for_id: str) -> list[dict]:
+        """The buttons shown under message `for_id` now (sent and not removed since)."""
+        shown = {}
+        for e in self.events:
+            if e.name == "action" and e.data.get("forId") == for_id:
+                shown[e.data["id"]] = e.data
+            elif e.name == "remove_action":
+                shown.pop(e.data.get("id"), None)
+        return list(shown.values())
+
+    async def press(self, action: dict) -> int:
+        """Press a button as the browser does (POST /project/action); the index of the
+        first event after it (wait for what it does from there)."""
+        start = len(self.events)
+        async with self.api() as http:
+            r = await http.post("/project/action",
+                                json={"sessionId": self.session_id, "action": action})
+        assert r.status_code == 200, r.text
+        return start
 
     def collect(self, start: int, end: int) -> Reply:
         events = self.events[start:end]
