@@ -18,6 +18,7 @@ import statistics
 import time
 
 from bench.cli import whole_number
+from bench.metrics import spread
 from bench.ui_ceiling import PROFILE, all_at_once
 from chat.stalls import freeze_heap
 from tools.chainlit_client import ChatClient, Server
@@ -54,12 +55,6 @@ async def bursts(sessions: int, rounds: int) -> list[dict]:
         return out
     finally:
         server.stop()
-
-
-def spread(seconds: list[float]) -> dict:
-    ordered = sorted(seconds)
-    return {"min": round(ordered[0] * 1000), "p50": round(statistics.median(ordered) * 1000),
-            "max": round(ordered[-1] * 1000)}
 
 
 def main() -> None:

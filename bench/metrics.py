@@ -7,6 +7,7 @@ request. E2E: sent -> last chunk. Throughput over the run's wall time.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,13 @@ def _pcts(values: list[float], scale: float = 1000.0) -> dict:
             "p95": round(float(np.percentile(arr, 95)), 2),
             "p99": round(float(np.percentile(arr, 99)), 2),
             "mean": round(float(arr.mean()), 2)}
+
+
+def spread(seconds) -> dict:
+    """Min, median and max of some durations, in whole milliseconds."""
+    ordered = sorted(seconds)
+    return {"min": round(ordered[0] * 1000), "p50": round(statistics.median(ordered) * 1000),
+            "max": round(ordered[-1] * 1000)}
 
 
 def summarize(timings: list[RequestTiming], wall_s: float) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 import uuid
@@ -22,6 +21,7 @@ import uuid
 from chainlit.context import init_http_context
 from chainlit.user import User
 
+from bench.metrics import spread
 from chat.stalls import CLOCK
 from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
@@ -63,14 +63,10 @@ async def burst(turns: int) -> dict:
     wall = time.monotonic() - started
     await store.engine.dispose()
 
-    def spread(values):
-        ordered = sorted(v * 1000 for v in values)
-        return {"p50": round(statistics.median(ordered)), "max": round(ordered[-1])}
-
     return {"turns": turns, "wall_s": round(wall, 2),
             "writes_s": round(wall - STREAMING_S, 2),  # the wall less the streaming pause
-            "first_writes_ms": spread(t[0] for t in timings),
-            "last_writes_ms": spread(t[1] for t in timings)}
+            "first_writes_ms": spread([t[0] for t in timings]),
+            "last_writes_ms": spread([t[1] for t in timings])}
 
 
 def main() -> None:

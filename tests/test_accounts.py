@@ -20,7 +20,7 @@ STAND_IN = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "200"}
 
 
 def add_user(server: Server, name: str, password: str) -> None:
-    env = {**os.environ, "VCHAT_DATA_DIR": server.env["VCHAT_DATA_DIR"]}
+    env = dict(server.env)  # its environment: its data folder, or its DATABASE_URL
     done = subprocess.run([sys.executable, "-m", "store", "users", "add", name, "--stdin"],
                           input=password + "\n", env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

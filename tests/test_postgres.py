@@ -4,8 +4,6 @@ database, Chainlit's data layer with native arrays and JSONB, and the app itself
 DATABASE_URL set (login, a chat, a restart, resume, two users kept apart)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 from chainlit.context import init_http_context
@@ -14,8 +12,8 @@ from sqlalchemy import inspect, text
 
 from store.accounts import Accounts
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
-from tests.test_accounts import STAND_IN, thread_steps, threads
-from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, serving
+from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
+from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
 from tools.postgres import Postgres, binaries
 
 # Skipped only where no server is installed and none is required (.ci/run installs Debian's
@@ -101,11 +99,7 @@ async def test_the_app_on_postgresql_keeps_chats_apart_and_across_a_restart(pg, 
            "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
     first, second = "Remember the word heliotrope.", "Which word did I ask you to remember?"
     async with serving(env, timeout=120) as srv:  # creates the first admin, as no one exists
-        added = subprocess.run(
-            [sys.executable, "-m", "store", "users", "add", "other", "--stdin"],
-            input="another long password\n", cwd=ROOT, text=True, env={**os.environ, **env},
-            capture_output=True, timeout=120)
-        assert added.returncode == 0, added.stderr
+        add_user(srv, "other", "another long password")
         wrong = ChatClient(srv.url, "Throughput-first", password="not the password")
         with pytest.raises(PermissionError):
             await wrong.login()
