@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test soak bench lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -20,6 +20,14 @@ run: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The README's pictures, from the browser tests' last run (tests/e2e saves them).
+SHOTS := streamed-reply profile-picker history
+screenshots:
+	@for shot in $(SHOTS); do test -f .cache/e2e/$$shot.png || \
+	  { echo "no .cache/e2e/$$shot.png: run the browser tests first (make test)"; exit 1; }; done
+	mkdir -p docs/screenshots
+	cp $(SHOTS:%=.cache/e2e/%.png) docs/screenshots/
 
 # The soak test at a larger size than `make test` runs (tests/test_app.py), with the shipped
 # KV cache (4 GiB): the tests' 1 GiB holds too little of 32 long histories (BENCHMARKS.md).

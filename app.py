@@ -21,12 +21,13 @@ from starlette.responses import JSONResponse
 
 from chat import stalls
 from chat.input import check_message
+from chat.page import serve_own_origin_only
 from chat.session import HISTORY_CHARS, Conversation, Turn, stored_turns
 from chat.shutdown import Shutdown
 from chat.streaming import Coalescer, Pace
 from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
-                       RANDOM_WEIGHTS, STAND_IN, STARTING, UNEXPECTED, WITHDRAWN, queued_notice,
-                       reply_metadata, stats_line)
+                       RANDOM_WEIGHTS, STAND_IN, STARTING_TURN, UNEXPECTED, WITHDRAWN,
+                       page_notice, queued_notice, reply_metadata, stats_line)
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
 from engine.settings import setting
 from store.accounts import Accounts, AddressThrottle
@@ -36,6 +37,8 @@ from store.setup import auth_secret, data_dir, first_admin
 
 # Chainlit's Message and Step constructors block the event loop for 1 ms each: not here.
 stalls.skip_constructor_pause()
+# Its page fetches a font and a stylesheet from other origins: not here (chat/page.py).
+serve_own_origin_only()
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
@@ -140,9 +143,18 @@ async def ready() -> JSONResponse:
     return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
 
 
+@http.get("/notice")
+async def notice() -> JSONResponse:
+    """What the page says about the engines' state, for public/model-status.js: always 200
+    (a 503 would be logged as an error in every visitor's browser console)."""
+    status = "stopping" if SHUTDOWN.closing else (await ENGINES.health())["status"]
+    return JSONResponse({"ready": status == "ok", "notice": page_notice(status)})
+
+
 # Chainlit registers a catch-all GET route for its UI before app.py is imported; put ours
-# first so it is reachable.
-http.router.routes.sort(key=lambda route: getattr(route, "path", "") != "/ready")
+# first so they are reachable.
+OWN_ROUTES = {"/ready", "/notice"}
+http.router.routes.sort(key=lambda route: getattr(route, "path", "") not in OWN_ROUTES)
 
 
 def chat_profiles(current_user=None, language=None) -> asyncio.Future:
@@ -174,9 +186,8 @@ async def chat_start() -> None:
         await cl.Message(content=STAND_IN).send()
     elif CONFIG.random_weights:
         await cl.Message(content=RANDOM_WEIGHTS).send()
-    if ENGINES.state == "starting":  # a note that goes once the model is ready
-        note = await cl.Message(content=STARTING).send()
-        cl.user_session.set("starting", asyncio.create_task(remove_when_ready(note)))
+    # While the model starts, the page says so above the chat (public/model-status.js), not
+    # in it: a message here switched Chainlit's view and lost what the user was typing.
 
 
 @cl.on_chat_resume
@@ -190,12 +201,6 @@ async def chat_resume(thread: ThreadDict) -> None:
     if conv.turns:
         await offer_regenerate(conv.turns[-1].reply_id)
     log.info("chat %s resumed with %d turns", thread.get("id"), len(conv.turns))
-
-
-async def remove_when_ready(note: cl.Message) -> None:
-    with contextlib.suppress(ChatError):  # failed: each turn then says so
-        await ENGINES.ready()
-    await note.remove()
 
 
 @cl.on_chat_end
@@ -324,16 +329,19 @@ async def answer_again(conv: Conversation, turn: Turn) -> None:
         await cl.context.emitter.task_end()
 
 
-class PlaceInLine:
-    """A turn's note while it waits for the engine: its place, updated as it moves up,
-    removed once the reply starts or the turn ends."""
+class WaitNote:
+    """A turn's note while it waits (for the model to start, then for its place in line,
+    updated as it moves up), removed once the reply starts or the turn ends."""
 
     message: cl.Message | None = None
 
-    async def show(self, place: int) -> None:
+    async def say(self, text: str) -> None:
         new, self.message = self.message is None, self.message or cl.Message(content="")
-        self.message.content = queued_notice(place)
+        self.message.content = text
         await (self.message.send() if new else self.message.update())
+
+    async def show(self, place: int) -> None:
+        await self.say(queued_notice(place))
 
     async def remove(self) -> None:
         if self.message is not None:
@@ -343,9 +351,11 @@ class PlaceInLine:
 
 async def answer(conv: Conversation, user: Message, message_id: str) -> None:
     """One turn: wait for the engines, fit the history, stream the reply, record it."""
-    note, reply = PlaceInLine(), cl.Message(content="")
+    note, reply = WaitNote(), cl.Message(content="")
     try:
-        await ENGINES.ready()  # while the model starts, the chat shows a note
+        if ENGINES.state == "starting":
+            await note.say(STARTING_TURN)
+        await ENGINES.ready()
         prompt = ENGINES.fit(conv.profile.name, conv.history(), user,
                              system_prompt=conv.settings.system_prompt,
                              max_tokens=conv.settings.max_tokens)
@@ -379,7 +389,7 @@ async def check_saved() -> None:
 
 
 async def stream_reply(conv: Conversation, prompt: Prompt, reply: cl.Message,
-                       note: PlaceInLine) -> TurnStats:
+                       note: WaitNote) -> TurnStats:
     """Stream the reply into `reply` as the engine writes it; the turn's stats at the end."""
     out, stats = Coalescer(reply.stream_token, pace=PACE), None
     try:

@@ -4,6 +4,13 @@ from engine import TurnStats
 
 STARTING = ("The model is still starting (about half a minute on a CPU). You can type "
             "already: your message will be answered as soon as it is ready.")
+STARTING_TURN = ("*The model is still starting: your message will be answered as soon as it is "
+                 "ready.*")
+RESTARTING_PAGE = ("The model stopped unexpectedly and is being restarted: replies resume in a "
+                   "moment.")
+FAILED_PAGE = ("The model could not start, so messages cannot be answered. Please tell the "
+               "operator of this app (its log says why).")
+STOPPING_PAGE = "The app is restarting or shutting down: new messages wait until it is back."
 WITHDRAWN = "*Stopped before the reply began: that message is not part of the conversation.*"
 UNEXPECTED = ("Sorry, something went wrong on our side while answering, and it has been "
               "logged. Your message was not added to the conversation; please send it again.")
@@ -22,6 +29,13 @@ NOT_REGENERATED = ("Only the last reply can be written again, and only when no r
                    "written: this one stays as it is.")
 RANDOM_WEIGHTS = ("**Test mode:** this server runs the model with random weights (its real "
                   "size and speed, but no training). Replies are random text, not answers.")
+
+
+def page_notice(status: str) -> str | None:
+    """The line at the top of every open page for the engines' state (/notice), or none."""
+    return {"ok": None, "starting": STARTING, "restarting": RESTARTING_PAGE,
+            "ready": RESTARTING_PAGE,  # up, but an engine fails its health check
+            "stopping": STOPPING_PAGE, "stopped": STOPPING_PAGE}.get(status, FAILED_PAGE)
 
 
 def stats_line(stats: TurnStats, profile: str) -> str:

@@ -12,6 +12,7 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
+from chat.view import RESTARTING_PAGE
 from engine import ChatFormatter, Message
 from engine.history import fit_history
 from engine.launch import has_cuda
@@ -433,6 +434,7 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
         await asyncio.sleep(0.2)
     status, health = await server.ready_state()
     assert status == 503
+    assert await server.get("/notice") == {"ready": False, "notice": RESTARTING_PAGE}
     during = await c.send("Are you there?")
     assert during.reply is None and any("being restarted" in n for n in during.notes)
     health = await server.wait_ready(timeout=400)  # back, with back-off, on its own

@@ -12,6 +12,7 @@ import time
 
 import psutil
 
+from chat.view import STARTING, STOPPING_PAGE
 from tools.chainlit_client import ChatClient, Server
 
 
@@ -30,12 +31,13 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
         status, health = await server.ready_state()
         assert status == 503 and health["status"] == "starting"
 
-        # A user who arrives now sees that the model is starting, and is answered later.
+        # A user who arrives now is told by the page that the model is starting (the
+        # browser's side: tests/e2e), not in the chat, and is answered later.
+        assert await server.get("/notice") == {"ready": False, "notice": STARTING}
         early = ChatClient(server.url, "Throughput-first")
         await early.connect()
-        notes = [e.data for e in early.events if e.name == "new_message"]
-        starting = next((n for n in notes if "still starting" in n["output"]), None)
-        assert starting is not None, notes
+        assert not [e for e in early.events if e.name == "new_message"
+                    and e.data["type"] == "assistant_message"]
         assert (await early.settings(max_tokens=16)).messages == []
 
         # Stop pressed while the model starts: the message is withdrawn, and the user told.
@@ -54,16 +56,19 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
         withdrawn = early.collect(start, end + 1)
         assert any("Stopped before the reply began" in n for n in withdrawn.notes), [
             (e.name, e.data) for e in withdrawn.events]
-        assert not any("still starting" in n for n in withdrawn.notes)
+        # While it waited, the turn said why; the note went with the turn.
+        waiting = [e.data["id"] for e in withdrawn.events
+                   if e.name == "new_message" and "still starting" in e.data["output"]]
+        assert len(waiting) == 1, [(e.name, e.data) for e in withdrawn.events]
+        assert waiting[0] in [e.data["id"] for e in withdrawn.events
+                              if e.name == "delete_message"]
         assert (await server.ready_state())[1]["status"] == "starting", "stopped too late"
 
         reply = await early.send("Hello, are you there?", timeout=400)
         assert reply.tokens and reply.reply["metadata"]["output_tokens"] > 0
         status, health = await server.ready_state()
         assert status == 200 and health["status"] == "ok"
-        # The "starting" note went once the model was ready.
-        gone = await early.wait_for("delete_message", since=0, timeout=10)
-        assert early.events[gone].data["id"] == starting["id"]
+        assert await server.get("/notice") == {"ready": True, "notice": None}
 
         family = psutil.Process(server.proc.pid).children(recursive=True)
         assert len([p for p in family if "VLLM" in " ".join(p.cmdline()) or
@@ -88,6 +93,7 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
         assert refused.reply is None and any("shutting down" in n for n in refused.notes)
         status, health = await server.ready_state()
         assert status == 503 and health["status"] == "stopping"
+        assert await server.get("/notice") == {"ready": False, "notice": STOPPING_PAGE}
 
         end = await short.wait_for("task_end", since=starts[0], timeout=GRACE_S + 10)
         done = short.collect(starts[0], end + 1).reply

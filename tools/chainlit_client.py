@@ -264,9 +264,16 @@ class Server:
         return await self._poll("/ready", timeout)
 
     async def ready_state(self) -> tuple[int, dict]:
+        answer = await self.request("/ready")
+        return answer.status_code, answer.json()
+
+    async def get(self, path: str) -> dict:
+        """A GET's JSON answer, whatever its status."""
+        return (await self.request(path)).json()
+
+    async def request(self, path: str) -> httpx.Response:
         async with httpx.AsyncClient() as client:
-            r = await client.get(self.url + "/ready", timeout=10)
-            return r.status_code, r.json()
+            return await client.get(self.url + path, timeout=10)
 
     async def _poll(self, path: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,41 @@
+// A line at the top of the page while the model is not ready (starting, restarting,
+// failed, shutting down), gone once it is. It lives outside Chainlit's React tree: a chat
+// message for this switched Chainlit's view under the input and lost what the user was
+// typing. The words come from the server (/notice, chat/view.py).
+(function () {
+  const root = document.querySelector('meta[property="og:root_path"]')?.content || "";
+  const UNTIL_READY_MS = 2000, WHILE_READY_MS = 15000;
+
+  function show(text) {
+    let line = document.getElementById("model-status");
+    if (!line) {
+      line = document.createElement("div");
+      line.id = "model-status";
+      line.setAttribute("role", "status");
+      line.style.cssText = "position:fixed;top:64px;left:50%;transform:translateX(-50%);" +
+        "z-index:1000;max-width:min(720px,90vw);padding:8px 16px;border-radius:8px;" +
+        "background:#fff7e0;color:#4a3b00;border:1px solid #e8d48a;font:14px/1.4 sans-serif;" +
+        "box-shadow:0 2px 8px rgba(0,0,0,.12)";
+      document.body.appendChild(line);
+    }
+    line.textContent = text;
+  }
+
+  function hide() {
+    document.getElementById("model-status")?.remove();
+  }
+
+  async function check() {
+    let ready = false;
+    try {
+      const answer = await (await fetch(root + "/notice", {cache: "no-store"})).json();
+      ready = answer.ready;
+      answer.notice ? show(answer.notice) : hide();
+    } catch (unreachable) {
+      // The server is away: Chainlit's page says so itself; try again later.
+    }
+    setTimeout(check, ready ? WHILE_READY_MS : UNTIL_READY_MS);
+  }
+
+  check();
+})();

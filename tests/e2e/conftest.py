@@ -1,0 +1,182 @@
+"""The app in a real browser: headless Chromium (Debian's, /usr/bin/chromium) driven by
+Playwright, against one `chainlit run app.py` with the real embedded model, shared by every
+test here. Each test gets a fresh browser context (no cookies: a new visitor) whose console
+errors and requests to other origins are recorded. Screenshots go to E2E_SHOTS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, Server
+
+CHROMIUM = os.environ.get("VCHAT_CHROMIUM", "/usr/bin/chromium")
+# As the machine's notes advise for a closed network: no background connections of
+# Chromium's own (they would be refused, many at a time), no sandbox as root.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+E2E_SHOTS = Path(os.environ.get("E2E_SHOTS", ROOT / ".cache" / "e2e"))
+
+if not Path(CHROMIUM).is_file() and not os.environ.get("VCHAT_REQUIRE_BROWSER"):
+    pytest.skip(f"no Chromium at {CHROMIUM} (Debian: chromium; .ci/run installs it)",
+                allow_module_level=True)
+
+
+def pytest_collection_modifyitems(items):
+    """The test marked `while_starting` needs the shared app before its engines are up: it
+    runs first among the browser tests, whatever their files' order."""
+    early = [item for item in items if item.get_closest_marker("while_starting")]
+    if early:
+        rest = [item for item in items if item not in early]
+        at = next(n for n, item in enumerate(rest) if "e2e" in item.path.parts)
+        items[:] = rest[:at] + early + rest[at:]
+
+
+@pytest.fixture(scope="package")
+async def app_server():
+    """One app for the browser tests, as soon as it answers HTTP (its engines still
+    starting), stopped when they are done."""
+    server = Server()
+    try:
+        await server.wait_http()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+async def ready_server(app_server):
+    await app_server.wait_ready(timeout=400)
+    return app_server
+
+
+@pytest.fixture(scope="package")
+async def browser():
+    from playwright.async_api import async_playwright
+
+    E2E_SHOTS.mkdir(parents=True, exist_ok=True)
+    async with async_playwright() as p:
+        chromium = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        await chromium.close()
+
+
+@dataclass
+class Visit:
+    """One visitor's page, and what it did besides showing the app."""
+    page: object
+    origin: str
+    console_errors: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)  # requests to other origins
+
+
+@pytest.fixture
+async def visit(browser, ready_server):
+    """A new visitor to the app once its engines are up."""
+    async with visiting(browser, ready_server) as seen:
+        yield seen
+
+
+@pytest.fixture
+async def early_visit(browser, app_server):
+    """A new visitor to the app, maybe before its engines are up."""
+    async with visiting(browser, app_server) as seen:
+        yield seen
+
+
+@contextlib.asynccontextmanager
+async def visiting(browser, server: Server):
+    context = await browser.new_context(viewport={"width": 1280, "height": 800})
+    page = await context.new_page()
+    seen = Visit(page, server.url)
+    page.on("console", lambda m: seen.console_errors.append(m.text)
+            if m.type == "error" else None)
+    page.on("request", lambda r: seen.elsewhere.append(r.url)
+            if not r.url.startswith(server.url) and not r.url.startswith("data:") else None)
+    try:
+        yield seen
+    finally:
+        await context.close()
+
+
+async def log_in(visit: Visit, user: str = TEST_USER, password: str = TEST_PASSWORD) -> None:
+    page = visit.page
+    await page.goto(visit.origin)
+    await page.fill("input:not([type=password])", user)
+    await page.fill("input[type=password]", password)
+    await page.click("button[type=submit]")
+    await page.wait_for_selector("#chat-input:not([disabled])", timeout=60_000)
+    await page.wait_for_load_state("networkidle")
+    # Logged out, Chainlit's page asks for the user first and logs the 401 it gets as an
+    # error (its way of finding that it must show the login form): counted from here on.
+    visit.console_errors.clear()
+
+
+async def shot(visit: Visit, name: str) -> Path:
+    path = E2E_SHOTS / f"{name}.png"
+    await visit.page.screenshot(path=str(path))
+    return path
+
+
+ASSISTANT = '[data-step-type="assistant_message"] .message-content'
+USER = '[data-step-type="user_message"]'
+
+
+async def send(visit: Visit, text: str | None) -> int:
+    """Type a message (None: the one in the box) and press Enter; how many replies the page
+    showed before."""
+    page = visit.page
+    before, asked = await page.locator(ASSISTANT).count(), await page.locator(USER).count()
+    if text is not None:
+        await page.fill("#chat-input", text)
+    await page.press("#chat-input", "Enter")
+    try:  # the message is on the page: sent
+        await page.wait_for_function(f"n => document.querySelectorAll('{USER}').length > n",
+                                     arg=asked, timeout=30_000)
+    except Exception:
+        await shot(visit, "not-sent")
+        raise
+    return before
+
+
+async def last_reply(visit: Visit) -> str:
+    replies = visit.page.locator(ASSISTANT)
+    count = await replies.count()
+    return await replies.nth(count - 1).inner_text() if count else ""
+
+
+async def watch_reply(visit: Visit, before: int, timeout: float = 180) -> list[str]:
+    """The new reply's text each time it changes, until its turn has ended (no Stop)."""
+    page, states = visit.page, []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = await page.locator(ASSISTANT).count() > before
+        if shown:
+            text = await last_reply(visit)
+            if not states or text != states[-1]:
+                states.append(text)
+            if not await page.locator("#stop-button").count():
+                break
+        await asyncio.sleep(0.05)
+    else:
+        raise TimeoutError(f"no finished reply within {timeout} s: {states[-1:]}")
+    # The turn has ended; its last update may still be on its way into the page.
+    settle = time.monotonic() + 2
+    while time.monotonic() < settle:
+        text = await last_reply(visit)
+        if text != states[-1]:
+            states.append(text)
+        await asyncio.sleep(0.05)
+    return states
+
+
+def assert_clean(visit: Visit) -> None:
+    assert visit.elsewhere == [], f"requests left the app's origin: {visit.elsewhere}"
+    assert visit.console_errors == [], visit.console_errors
