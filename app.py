@@ -17,10 +17,13 @@ from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
 from chainlit.types import ThreadDict
-from starlette.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
+from prometheus_client import generate_latest
+from starlette.responses import JSONResponse, Response
 
 from chat import stalls
 from chat.input import check_message
+from chat.metrics import JsonLines, TurnMetrics, TurnRecord
 from chat.page import serve_own_origin_only
 from chat.session import HISTORY_CHARS, Conversation, Turn, stored_turns
 from chat.shutdown import Shutdown
@@ -29,6 +32,7 @@ from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SA
                        RANDOM_WEIGHTS, STAND_IN, STARTING_TURN, UNEXPECTED, WITHDRAWN,
                        page_notice, queued_notice, reply_metadata, stats_line)
 from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
+from engine.metrics import PresetSeries
 from engine.settings import setting
 from store.accounts import Accounts, AddressThrottle
 from store.data_layer import ChatDataLayer
@@ -62,6 +66,15 @@ try:
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
     LOGIN_ADDRESSES = AddressThrottle()
+    # GET /metrics: the app's series by profile (chat/metrics.py), every engine's vLLM
+    # series by preset (engine/metrics.py), the process's own.
+    METRICS = CollectorRegistry()
+    TURNS = TurnMetrics(METRICS, log_text=setting("VCHAT_LOG_MESSAGES"))
+    METRICS.register(PresetSeries(ENGINES.metric_registries))
+    ProcessCollector(registry=METRICS)
+    if setting("VCHAT_LOG_FORMAT") == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
 except ConfigError as exc:  # a config mistake is a message, not a stack trace
     raise SystemExit(f"Configuration error: {exc}") from None
 
@@ -151,9 +164,15 @@ async def notice() -> JSONResponse:
     return JSONResponse({"ready": status == "ok", "notice": page_notice(status)})
 
 
+@http.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus' text format: turns by profile, vLLM's engine series by preset."""
+    return Response(generate_latest(METRICS), media_type=CONTENT_TYPE_LATEST)
+
+
 # Chainlit registers a catch-all GET route for its UI before app.py is imported; put ours
 # first so they are reachable.
-OWN_ROUTES = {"/ready", "/notice"}
+OWN_ROUTES = {"/ready", "/notice", "/metrics"}
 http.router.routes.sort(key=lambda route: getattr(route, "path", "") not in OWN_ROUTES)
 
 
@@ -239,37 +258,58 @@ async def settings_update(values: dict) -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     """Check the message, answer it; whatever goes wrong, the user gets a plain message."""
+    conv: Conversation = cl.user_session.get("conversation")
     if SHUTDOWN.closing:
+        TURNS.refuse(TurnRecord("refused", user_name(), conv.profile.name, reason="closing",
+                                message=message.content))
         await cl.Message(content=CLOSING).send()
         return
-    conv: Conversation = cl.user_session.get("conversation")
     if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
         log.info("message edited: %d turns leave the history", dropped)
     try:
         checked = check_message(message.content, conv.profile.limits.message_chars)
         conv.begin_turn()
     except ChatError as exc:  # refused: nothing is stored, the chat goes on
+        TURNS.refuse(TurnRecord("refused", user_name(), conv.profile.name, reason="message",
+                                message=message.content[:1000]))
         await cl.Message(content=str(exc)).send()
         return
     await take_turn(conv, Message("user", checked.text), message.id, checked.notice)
 
 
+def user_name() -> str | None:
+    user = cl.user_session.get("user")
+    return getattr(user, "identifier", None)
+
+
 async def take_turn(conv: Conversation, user: Message, message_id: str,
                     notice: str | None = None) -> None:
-    """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly."""
+    """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
+    Counted and logged once, however it ends (chat/metrics.py)."""
+    profile = conv.profile.name
+    record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
+    TURNS.started.labels(profile).inc()
+    TURNS.running.labels(profile).inc()
     try:
         with SHUTDOWN.turn():
             await withdraw_regenerate()  # the reply that offered it is no longer the last
             if notice:
                 await cl.Message(content=notice).send()
-            await answer(conv, user, message_id)
+            stats = await answer(conv, user, message_id, record)
+            record.outcome = "finished"
+    except asyncio.CancelledError:  # Stop, a closed browser, shutdown: answer() kept the text
+        record.outcome = "stopped"
+        raise
     except ChatError as exc:  # explained (queue full, engine restarting...): nothing stored
+        record.outcome, record.reason = "refused", "turn"
         await cl.Message(content=str(exc)).send()
     except Exception:  # a bug or an engine failure: logged, never a trace to the user
         log.exception("turn failed")
         await cl.Message(content=UNEXPECTED).send()
     finally:
         conv.end_turn()
+        TURNS.running.labels(profile).dec()
+        TURNS.end(record, stats)
 
 
 REGENERATE = "regenerate"
@@ -333,7 +373,10 @@ class WaitNote:
     """A turn's note while it waits (for the model to start, then for its place in line,
     updated as it moves up), removed once the reply starts or the turn ends."""
 
-    message: cl.Message | None = None
+    def __init__(self, profile: str):
+        self.profile = profile
+        self.message: cl.Message | None = None
+        self.in_line = False  # counted in vchat_turns_waiting
 
     async def say(self, text: str) -> None:
         new, self.message = self.message is None, self.message or cl.Message(content="")
@@ -341,17 +384,24 @@ class WaitNote:
         await (self.message.send() if new else self.message.update())
 
     async def show(self, place: int) -> None:
+        if not self.in_line:
+            self.in_line = True
+            TURNS.waiting.labels(self.profile).inc()
         await self.say(queued_notice(place))
 
     async def remove(self) -> None:
+        if self.in_line:
+            self.in_line = False
+            TURNS.waiting.labels(self.profile).dec()
         if self.message is not None:
             message, self.message = self.message, None
             await message.remove()
 
 
-async def answer(conv: Conversation, user: Message, message_id: str) -> None:
+async def answer(conv: Conversation, user: Message, message_id: str,
+                 record: TurnRecord) -> TurnStats:
     """One turn: wait for the engines, fit the history, stream the reply, record it."""
-    note, reply = WaitNote(), cl.Message(content="")
+    note, reply = WaitNote(conv.profile.name), cl.Message(content="")
     try:
         if ENGINES.state == "starting":
             await note.say(STARTING_TURN)
@@ -363,10 +413,12 @@ async def answer(conv: Conversation, user: Message, message_id: str) -> None:
             await cl.Message(content=notice).send()
         stats = await stream_reply(conv, prompt, reply, note)
     except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
+        record.reply = reply.content
         await end_early(conv, user, reply, message_id)
         raise
     finally:
         await note.remove()
+    record.reply = reply.content
     conv.record(user, reply.content, message_id, reply.id)
     reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
                       HISTORY_CHARS: len(reply.content)}
@@ -377,6 +429,7 @@ async def answer(conv: Conversation, user: Message, message_id: str) -> None:
     # The next message need not wait for the database: the turn ends now, and the check
     # runs after it (a shutdown waits for it). Before: BENCHMARKS.md, "Writes to the database".
     SHUTDOWN.finish_later(check_saved())
+    return stats
 
 
 async def check_saved() -> None:

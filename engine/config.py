@@ -22,6 +22,7 @@ from .settings import SETTINGS, setting
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
 # vLLM options the engine layer sets itself; a preset naming them would be overridden.
 MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,8 @@ def _check_vllm(source: str, where: str, options) -> dict:
         problem = _type_problem(known[key].type, value)
         if problem:
             raise ConfigError(source, f"{where}.{key}", f"{problem}, got {value!r}")
+        if key in PARALLEL_SIZES and value < 1:  # GPUs per engine: launch.py checks the count
+            raise ConfigError(source, f"{where}.{key}", f"must be at least 1, got {value!r}")
     return dict(options)
 
 

@@ -5,12 +5,14 @@ environment its processes need. Measurements behind the defaults: BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import Config, Preset
+from .config import PARALLEL_SIZES, Config, Preset
+from .errors import ConfigError
 from .qwen import has_random_weights
 
 GIB = 1 << 30
@@ -36,15 +38,24 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def gpu_count() -> int:
+    """The CUDA GPUs this process may use (CUDA_VISIBLE_DEVICES counts)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 @dataclass(frozen=True)
 class Machine:
     gpu: bool
     cores: int
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    gpus: int = 1  # how many, when `gpu`
 
     @classmethod
     def here(cls) -> "Machine":
-        return cls(has_cuda(), len(os.sched_getaffinity(0)), cpu_flags())
+        gpu = has_cuda()
+        return cls(gpu, len(os.sched_getaffinity(0)), cpu_flags(), gpu_count() if gpu else 0)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     unless profiles.yaml sets them. `env`: the environment the operator gave."""
     env = os.environ if env is None else env
     args = {**config.vllm, **preset.options(machine.gpu), "model": model}
+    check_parallelism(preset.name, args, machine)
     if has_random_weights(model):  # no weight files: vLLM draws them at random
         args.setdefault("load_format", "dummy")
     # Compilation pays off on a GPU; on CPU it takes minutes to start for little gain.
@@ -79,6 +91,20 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
                                         * GIB)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))
+
+
+def check_parallelism(preset: str, args: dict, machine: Machine) -> None:
+    """vLLM's parallel sizes of one preset against the GPUs present: their product is the
+    GPUs its engine needs. Without a GPU each preset runs as one engine on the CPU."""
+    sizes = {name: args.get(name, 1) for name in PARALLEL_SIZES}
+    needed = math.prod(sizes.values())
+    if needed == 1:
+        return
+    asked = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1)
+    have = f"{machine.gpus} GPU{'s' if machine.gpus != 1 else ''}" if machine.gpu else "no GPU"
+    if not machine.gpu or needed > machine.gpus:
+        raise ConfigError("profiles.yaml", f"presets.{preset}.vllm",
+                          f"{asked} needs {needed} GPUs; this machine has {have}")
 
 
 def cpu_dtype(flags: frozenset[str]) -> str:

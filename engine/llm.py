@@ -18,10 +18,13 @@ import types
 import uuid
 from collections.abc import AsyncIterator
 
+from prometheus_client import CollectorRegistry
+
 from .chat_format import ChatFormatter
 from .errors import ChatError, ConfigError
 from .history import Prompt
 from .launch import EngineSetup
+from .metrics import engine_series
 from .stats import StepStats, TurnStats
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class PresetEngine:
         self.preset = preset
         self.setup = setup
         self.step_stats = StepStats()
+        self.metrics = CollectorRegistry()  # vLLM's series for this engine (metrics.py)
         self._llm = None
         self._built = None  # handed over by the thread that builds the engine
         self._abandoned = False  # start() was cancelled: the build shuts its engine down
@@ -94,9 +98,12 @@ class PresetEngine:
             raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
                               f"vLLM refused these options: {_first_line(exc)}") from exc
         os.environ.update(self.setup.env)  # read by the processes vLLM spawns
+        registry = CollectorRegistry()  # a restarted engine registers its series anew
         with neutral_main():
             llm = AsyncLLM.from_vllm_config(
-                vllm_config, stat_loggers=[self.step_stats.logger_factory()])
+                vllm_config,
+                stat_loggers=[self.step_stats.logger_factory(), engine_series(registry)])
+        self.metrics = registry
         with self._lock:
             if not self._abandoned:
                 self._built = llm
@@ -192,14 +199,14 @@ class PresetEngine:
             if not done:  # cancelled or closed early: make sure vLLM stops generating
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
-                log.info("turn %s preset=%s aborted after %d tokens", request_id,
-                         self.preset, out_tokens)
+                log.debug("turn %s preset=%s aborted after %d tokens", request_id,
+                          self.preset, out_tokens)
         stats = TurnStats(request_id, self.preset, prompt.prompt_tokens, out_tokens, ttft,
                           time.monotonic() - started, finish)
-        log.info("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
-                 self.preset, stats.prompt_tokens, stats.output_tokens,
-                 f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
-                 finish)
+        log.debug("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
+                  self.preset, stats.prompt_tokens, stats.output_tokens,
+                  f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
+                  finish)
         yield stats
 
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from .admission import Admission
 from .chat_format import Message
 from .config import Config
-from .errors import ChatError
+from .errors import ChatError, ConfigError
 from .history import Prompt, fit_history
 from .launch import EngineSetup, Machine, engine_setup
 from .llm import PresetEngine
@@ -44,7 +44,11 @@ def _backoff(attempt: int) -> float:
 
 
 def _log_failure(launch: asyncio.Task) -> None:
-    if not launch.cancelled() and launch.exception() is not None:
+    if launch.cancelled() or launch.exception() is None:
+        return
+    if isinstance(launch.exception(), ConfigError):  # the operator's to fix: said plainly
+        log.error("The engines cannot start: %s", launch.exception())
+    else:
         log.error("The engines failed to start", exc_info=launch.exception())
 
 
@@ -201,6 +205,11 @@ class Engines:
         return {"status": status, "engines": engines, "model": self.model,
                 "engine": StandInEngine.label if self.stand_in else "vllm",
                 "random_weights": self.config.random_weights}
+
+    def metric_registries(self) -> dict:
+        """Each running vLLM engine's Prometheus registry, by preset (metrics.py)."""
+        return {name: engine.metrics for name, engine in self.engines.items()
+                if getattr(engine, "metrics", None) is not None}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
             system_prompt: str, max_tokens: int) -> Prompt:

@@ -5,11 +5,13 @@ One `chainlit run app.py` server for this module, on the embedded model (eager e
 """
 
 import asyncio
+import json
 import math
 import time
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from chat.view import RESTARTING_PAGE
@@ -24,7 +26,7 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 async def server():
-    srv = Server()
+    srv = Server({"VCHAT_LOG_FORMAT": "json"})  # the log as an operator's collector reads it
     try:
         await srv.wait_ready()
         yield srv
@@ -51,6 +53,57 @@ def history_of(turns) -> list[Message]:
     for user, shown in turns:
         out += [Message("user", user), Message("assistant", shown)]
     return out
+
+
+async def scrape(server) -> dict:
+    """GET /metrics, parsed: (sample name, labels) -> value (a malformed text fails here)."""
+    answer = await server.request("/metrics")
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(answer.text) for s in family.samples}
+
+
+def series(scraped: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, have), v in scraped.items()
+               if n == name and set(labels.items()) <= set(have))
+
+
+async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
+    """GET /metrics after real turns: vLLM's engine series for each preset (vLLM's own
+    logger keeps only the last engine started in a process), the app's by profile, and
+    one JSON log line per turn without the message's text."""
+    before = await scrape(server)
+    for preset in ("latency-first", "throughput-first"):
+        assert series(before, "vllm:num_requests_running", preset=preset) == 0
+        assert any(name == "vllm:kv_cache_usage_perc" and ("preset", preset) in labels
+                   for name, labels in before), f"no KV cache series for {preset}"
+    c = await client(server, max_tokens=8)
+    await c.send("A question for the metrics.")
+    refused = await c.send("   ")
+    assert refused.reply is None
+    await c.close()
+    after = await scrape(server)
+
+    def grew(name, **labels):
+        return series(after, name, **labels) - series(before, name, **labels)
+
+    assert grew("vchat_turns_started_total", profile="Latency-first") == 1
+    assert grew("vchat_turns_finished_total", profile="Latency-first") == 1
+    assert grew("vchat_turns_refused_total", profile="Latency-first", reason="message") == 1
+    assert 1 <= grew("vchat_output_tokens_total", profile="Latency-first") <= 8
+    # The engine's side, told apart: the turn ran on latency-first's engine only.
+    assert grew("vllm:generation_tokens_total", preset="latency-first") == grew(
+        "vchat_output_tokens_total", profile="Latency-first")
+    assert grew("vllm:generation_tokens_total", preset="throughput-first") == 0
+    assert grew("vllm:time_to_first_token_seconds_count", preset="latency-first") == 1
+    assert series(after, "vchat_turns_running", profile="Latency-first") == 0
+    turns = [json.loads(line) for line in server.log().splitlines()
+             if line.startswith("{") and '"event": "turn"' in line]
+    mine = [t for t in turns if t.get("outcome") == "finished"][-1]
+    assert mine["profile"] == "Latency-first" and mine["preset"] == "latency-first"
+    assert mine["user"] and mine["request_id"] and mine["output_tokens"] >= 1
+    assert "A question for the metrics" not in server.log()
 
 
 async def test_a_turn_streams_tokens_and_ends(server, config):

@@ -218,6 +218,29 @@ def test_small_cpus_give_every_core_to_the_model_unless_the_operator_decides():
         assert engine_setup(config, preset, "/m", CPU, env=own).env == {}
 
 
+def test_parallel_sizes_are_checked_against_the_gpus_present(tmp_path):
+    """tensor/pipeline/data parallel sizes pass through to vLLM; their product is the GPUs
+    a preset's engine needs, checked against the machine with the numbers named."""
+    bad = write(tmp_path, mutated(lambda d: d["presets"]["latency-first"]["vllm"].update(
+        tensor_parallel_size=0)))
+    with pytest.raises(ConfigError, match="tensor_parallel_size: must be at least 1"):
+        load_config(bad, env={})
+    path = write(tmp_path, mutated(lambda d: d["presets"]["throughput-first"]["vllm"].update(
+        tensor_parallel_size=2, data_parallel_size=2)))
+    config = load_config(path, env={})
+    preset = config.presets["throughput-first"]
+    with pytest.raises(ConfigError, match=r"presets\.throughput-first\.vllm: "
+                       r"tensor_parallel_size 2 x data_parallel_size 2 needs 4 GPUs; "
+                       r"this machine has no GPU"):
+        engine_setup(config, preset, "/m", CPU, env={})
+    with pytest.raises(ConfigError, match="needs 4 GPUs; this machine has 2 GPUs"):
+        engine_setup(config, preset, "/m", Machine(gpu=True, cores=32, gpus=2), env={})
+    four = engine_setup(config, preset, "/m", Machine(gpu=True, cores=64, gpus=4), env={})
+    assert (four.args["tensor_parallel_size"], four.args["data_parallel_size"]) == (2, 2)
+    one = engine_setup(config, config.presets["latency-first"], "/m", CPU, env={})
+    assert "tensor_parallel_size" not in one.args  # vLLM's default, one device
+
+
 def test_engine_kind_is_vllm_unless_the_stand_in_is_asked_for():
     from engine.llm import PresetEngine
     from engine.pool import engine_kind

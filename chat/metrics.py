@@ -1,0 +1,124 @@
+"""The app's own Prometheus series, by chat profile, and one log line per turn.
+
+Every message that reaches a turn is counted `started` and ends as exactly one of
+`finished`, `stopped` (Stop, a closed browser, shutdown), `failed` (an unexpected error) or
+`refused` with reason `engine` (the line was full, the engine restarting or unreachable).
+Messages refused before a turn began are `refused` with reason `message` (empty,
+too long, too many this minute, one already being answered) or `closing` (shutting down).
+Tokens count finished turns. No Chainlit calls here: app.py reports, this file keeps count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine import TurnStats
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+turn_log = logging.getLogger("vchat.turns")
+
+
+@dataclass
+class TurnRecord:
+    """What one turn's log line says (message text only where the operator asked)."""
+    outcome: str  # finished, stopped, failed, refused
+    user: str | None
+    profile: str
+    preset: str | None = None
+    request_id: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    ttft_ms: float | None = None
+    tokens_per_s: float | None = None
+    finish_reason: str | None = None
+    reason: str | None = None  # why it was refused
+    message: str | None = None
+    reply: str | None = None
+
+    def fields(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def line(self) -> str:
+        return "turn " + " ".join(f"{k}={v!r}" if isinstance(v, str) and " " in v else f"{k}={v}"
+                                  for k, v in self.fields().items())
+
+
+class JsonLines(logging.Formatter):
+    """Every log record as one JSON object (`VCHAT_LOG_FORMAT=json`); a turn's record
+    carries its fields instead of a message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname,
+               "logger": record.name}
+        turn = getattr(record, "turn", None)
+        if turn is not None:
+            out.update(event="turn", **turn)
+        else:
+            out["message"] = record.getMessage()
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+class TurnMetrics:
+    """Counters and gauges of users' turns, labelled by profile, in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, *, log_text: bool = False):
+        self.log_text = log_text
+        by = ["profile"]
+        self.started = Counter("vchat_turns_started", "Messages that reached a turn", by,
+                               registry=registry)
+        self.finished = Counter("vchat_turns_finished", "Turns answered to the end", by,
+                                registry=registry)
+        self.stopped = Counter("vchat_turns_stopped", "Turns ended early by Stop, a closed "
+                               "browser or shutdown", by, registry=registry)
+        self.failed = Counter("vchat_turns_failed", "Turns ended by an unexpected error", by,
+                              registry=registry)
+        self.refused = Counter("vchat_turns_refused", "Messages refused with a message to "
+                               "the user (reason: message, closing, engine)",
+                               [*by, "reason"], registry=registry)
+        self.running = Gauge("vchat_turns_running", "Turns being answered or waiting", by,
+                             registry=registry)
+        self.waiting = Gauge("vchat_turns_waiting", "Turns waiting in line for their engine",
+                             by, registry=registry)
+        self.prompt_tokens = Counter("vchat_prompt_tokens", "Prompt tokens of finished turns",
+                                     by, registry=registry)
+        self.output_tokens = Counter("vchat_output_tokens", "Tokens written in finished "
+                                     "turns", by, registry=registry)
+        self.ttft = Histogram("vchat_time_to_first_token_seconds", "Time to the first token "
+                              "in the engine, finished turns", by, buckets=TTFT_BUCKETS,
+                              registry=registry)
+
+    def refuse(self, record: TurnRecord) -> None:
+        """A message refused before its turn began."""
+        self.refused.labels(record.profile, record.reason).inc()
+        self._log(record)
+
+    def end(self, record: TurnRecord, stats: TurnStats | None = None) -> None:
+        """A started turn's end, with the engine's stats when it finished."""
+        profile = record.profile
+        if stats is not None:
+            record.preset, record.request_id = stats.preset, stats.request_id
+            record.prompt_tokens, record.output_tokens = stats.prompt_tokens, stats.output_tokens
+            record.ttft_ms = round(stats.ttft_s * 1000, 1) if stats.ttft_s is not None else None
+            record.tokens_per_s = round(stats.tokens_per_s, 1)
+            record.finish_reason = stats.finish_reason
+            self.prompt_tokens.labels(profile).inc(stats.prompt_tokens)
+            self.output_tokens.labels(profile).inc(stats.output_tokens)
+            if stats.ttft_s is not None:
+                self.ttft.labels(profile).observe(stats.ttft_s)
+        if record.outcome == "refused":
+            self.refused.labels(profile, record.reason or "engine").inc()
+        else:
+            {"finished": self.finished, "stopped": self.stopped,
+             "failed": self.failed}[record.outcome].labels(profile).inc()
+        self._log(record)
+
+    def _log(self, record: TurnRecord) -> None:
+        if not self.log_text:
+            record.message = record.reply = None
+        turn_log.info("%s", record.line(), extra={"turn": record.fields()})

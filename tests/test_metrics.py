@@ -1,0 +1,78 @@
+"""The pieces behind GET /metrics and the per-turn log line, without a server (the real
+server's /metrics after real turns: tests/test_app.py)."""
+
+import json
+import logging
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chat.metrics import JsonLines, TurnMetrics, TurnRecord
+from engine import TurnStats
+from engine.metrics import PresetSeries
+
+
+def samples(registry) -> dict:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_engines_series_of_the_same_name_stay_apart_by_preset():
+    """Regression in the making: vLLM's own logger keeps one engine's series per process
+    (each new engine unregisters the last one's); here each has its own registry."""
+    registries = {}
+    for preset, running in (("latency-first", 3), ("throughput-first", 40)):
+        registries[preset] = CollectorRegistry()
+        Gauge("vllm:num_requests_running", "running", ["model_name", "engine"],
+              registry=registries[preset]).labels("m", "0").set(running)
+    shown = CollectorRegistry()
+    shown.register(PresetSeries(lambda: registries))
+    found = samples(shown)
+    assert found[("vllm:num_requests_running",
+                  (("engine", "0"), ("model_name", "m"), ("preset", "latency-first")))] == 3
+    assert found[("vllm:num_requests_running",
+                  (("engine", "0"), ("model_name", "m"), ("preset", "throughput-first")))] == 40
+    registries.pop("throughput-first")  # asked at every scrape: a stopped engine goes
+    assert len(samples(shown)) == 1
+
+
+def test_turns_are_counted_by_profile_and_logged_once_without_text(caplog):
+    registry = CollectorRegistry()
+    turns = TurnMetrics(registry)
+    stats = TurnStats("chat-1", "latency-first", 30, 12, 0.05, 0.5, "stop")
+    with caplog.at_level(logging.INFO, logger="vchat.turns"):
+        turns.started.labels("Latency-first").inc()
+        turns.end(TurnRecord("finished", "ann", "Latency-first", message="secret question",
+                             reply="secret answer"), stats)
+        turns.refuse(TurnRecord("refused", "bob", "Throughput-first", reason="message",
+                                message="too long"))
+    found = samples(registry)
+    assert found[("vchat_turns_finished_total", (("profile", "Latency-first"),))] == 1
+    assert found[("vchat_prompt_tokens_total", (("profile", "Latency-first"),))] == 30
+    assert found[("vchat_output_tokens_total", (("profile", "Latency-first"),))] == 12
+    assert found[("vchat_turns_refused_total",
+                  (("profile", "Throughput-first"), ("reason", "message")))] == 1
+    assert found[("vchat_time_to_first_token_seconds_count", (("profile", "Latency-first"),))] == 1
+    lines = [r for r in caplog.records if r.name == "vchat.turns"]
+    assert len(lines) == 2
+    assert "secret" not in caplog.text and "too long" not in caplog.text
+    first = lines[0].getMessage()
+    for part in ("outcome=finished", "user=ann", "profile=Latency-first", "preset=latency-first",
+                 "request_id=chat-1", "prompt_tokens=30", "output_tokens=12", "ttft_ms=50.0",
+                 "finish_reason=stop"):
+        assert part in first, first
+    as_json = json.loads(JsonLines().format(lines[0]))
+    assert as_json["event"] == "turn" and as_json["profile"] == "Latency-first"
+    assert as_json["output_tokens"] == 12 and as_json["tokens_per_s"] == 24.4
+    assert "message" not in as_json
+
+
+def test_message_text_is_logged_only_when_asked(caplog):
+    turns = TurnMetrics(CollectorRegistry(), log_text=True)
+    with caplog.at_level(logging.INFO, logger="vchat.turns"):
+        turns.end(TurnRecord("stopped", "ann", "Latency-first", message="the question",
+                             reply="half an"))
+    record = json.loads(JsonLines().format(caplog.records[-1]))
+    assert (record["message"], record["reply"], record["outcome"]) == (
+        "the question", "half an", "stopped")
