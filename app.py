@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client import generate_latest
 from starlette.responses import JSONResponse, Response
 
+from api.openai import OpenAIApi
 from chat import stalls
 from chat.input import check_message
 from chat.metrics import JsonLines, TurnMetrics, TurnRecord
@@ -35,6 +36,7 @@ from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, 
 from engine.metrics import PresetSeries
 from engine.settings import setting
 from store.accounts import Accounts, AddressThrottle
+from store.api_keys import ApiKeys
 from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 from store.setup import auth_secret, data_dir, first_admin
@@ -72,6 +74,11 @@ try:
     TURNS = TurnMetrics(METRICS, log_text=setting("VCHAT_LOG_MESSAGES"))
     METRICS.register(PresetSeries(ENGINES.metric_registries))
     ProcessCollector(registry=METRICS)
+    # /v1: the OpenAI-compatible API on the same engines (api/openai.py); CHAT_API_KEY is the
+    # operator's key, accounts have their own (python -m store keys add NAME).
+    API = OpenAIApi(ENGINES, CONFIG, TURNS, ApiKeys(STORE.engine).account_of,
+                    os.environ.get("CHAT_API_KEY") or None, ignore_eos=IGNORE_EOS)
+    http.include_router(API.router)
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
@@ -173,7 +180,8 @@ async def metrics() -> Response:
 # Chainlit registers a catch-all GET route for its UI before app.py is imported; put ours
 # first so they are reachable.
 OWN_ROUTES = {"/ready", "/notice", "/metrics"}
-http.router.routes.sort(key=lambda route: getattr(route, "path", "") not in OWN_ROUTES)
+http.router.routes.sort(key=lambda route: not (getattr(route, "path", "") in OWN_ROUTES or
+                                               getattr(route, "path", "").startswith("/v1/")))
 
 
 def chat_profiles(current_user=None, language=None) -> asyncio.Future:

@@ -6,12 +6,12 @@ Never imports the UI. The app uses `load_config`, `Engines`, `Message`, `Prompt`
 
 from .chat_format import ChatFormatter, Message
 from .config import Profile, load_config
-from .errors import ChatError, ConfigError
+from .errors import Busy, ChatError, ConfigError, Unavailable
 from .history import Prompt
 from .pool import Engines
 from .stats import TurnStats
 
 __all__ = [
-    "ChatError", "ChatFormatter", "ConfigError", "Engines", "Message", "Profile", "Prompt",
-    "TurnStats", "load_config",
+    "Busy", "ChatError", "ChatFormatter", "ConfigError", "Engines", "Message", "Profile",
+    "Prompt", "TurnStats", "Unavailable", "load_config",
 ]

@@ -14,7 +14,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from .errors import ChatError
+from .errors import Busy
 
 
 class _Waiter:
@@ -52,7 +52,7 @@ class Admission:
 
     async def _wait(self, on_queued) -> None:
         if len(self._queue) >= self.queued:
-            raise ChatError(f"This chat is busy right now: {self.inside} replies are being "
+            raise Busy(f"This chat is busy right now: {self.inside} replies are being "
                             f"written and {len(self._queue)} messages are waiting. Please try "
                             "again in a minute; your message was not sent.")
         waiter = _Waiter(asyncio.get_running_loop())

@@ -9,6 +9,14 @@ class ChatError(Exception):
     """A mistake or a state we can explain in one clear message (str() is that message)."""
 
 
+class Busy(ChatError):
+    """The engine's seats and its line are full: try again soon."""
+
+
+class Unavailable(ChatError):
+    """The engine cannot serve now (starting, restarting, failed, died mid-turn)."""
+
+
 class ConfigError(ChatError):
     """`profiles.yaml` (or an environment variable) holds a value we cannot use."""
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from .chat_format import ChatFormatter
-from .errors import ChatError, ConfigError
+from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt
 from .launch import EngineSetup
 from .metrics import engine_series
@@ -157,7 +157,7 @@ class PresetEngine:
 
     def _require(self):
         if self._llm is None:
-            raise ChatError(f"The {self.preset} engine is not running.")
+            raise Unavailable(f"The {self.preset} engine is not running.")
         return self._llm
 
     # -- turns -------------------------------------------------------------------------
@@ -193,7 +193,7 @@ class PresetEngine:
         except EngineDeadError as exc:
             done = True  # nothing left to abort
             log.error("engine %r died during turn %s: %s", self.preset, request_id, exc)
-            raise ChatError("The model stopped unexpectedly while answering. It is being "
+            raise Unavailable("The model stopped unexpectedly while answering. It is being "
                             "restarted; please send your message again in a minute.") from exc
         finally:
             if not done:  # cancelled or closed early: make sure vLLM stops generating

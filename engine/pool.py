@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from .admission import Admission
 from .chat_format import Message
 from .config import Config
-from .errors import ChatError, ConfigError
+from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt, fit_history
 from .launch import EngineSetup, Machine, engine_setup
 from .llm import PresetEngine
@@ -112,13 +112,13 @@ class Engines:
     async def ready(self) -> None:
         """Wait for a launch to finish; a ChatError if the engines could not start."""
         if self._launch is None:
-            raise ChatError("The model was not started.")
+            raise Unavailable("The model was not started.")
         await asyncio.wait([self._launch])  # a cancelled waiter leaves the launch running
         failure = None if self._launch.cancelled() else self._launch.exception()
         if isinstance(failure, ChatError):
-            raise ChatError(f"The model failed to start: {failure}")
+            raise Unavailable(f"The model failed to start: {failure}")
         if failure is not None or self._launch.cancelled():
-            raise ChatError("The model failed to start; the server log says why.")
+            raise Unavailable("The model failed to start; the server log says why.")
 
     async def _watch(self) -> None:
         """Restart any engine that died, with back-off, while the others keep serving."""
@@ -174,10 +174,10 @@ class Engines:
     def for_profile(self, profile: str) -> PresetEngine:
         preset = self.config.profile(profile).preset
         if preset in self._restarting:
-            raise ChatError(RESTARTING)
+            raise Unavailable(RESTARTING)
         engine = self.engines.get(preset)
         if engine is None or not engine.running:
-            raise ChatError(f"The engine for {profile!r} is {self.state}.")
+            raise Unavailable(f"The engine for {profile!r} is {self.state}.")
         return engine
 
     async def health(self) -> dict:

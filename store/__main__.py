@@ -4,7 +4,10 @@
     .venv/bin/python -m store users list
     .venv/bin/python -m store users add NAME [--admin] the password is asked for (or read
                                                        from standard input with --stdin)
-    .venv/bin/python -m store users remove NAME
+    .venv/bin/python -m store users remove NAME        (and its API keys)
+    .venv/bin/python -m store keys add NAME [--label L] a new API key for NAME, shown once
+    .venv/bin/python -m store keys list [NAME]
+    .venv/bin/python -m store keys revoke ID
 
 Every command brings the schema up to date first. Errors are one line and status 1.
 """
@@ -19,6 +22,7 @@ import sys
 from sqlalchemy.exc import SQLAlchemyError
 
 from store.accounts import AccountError, Accounts
+from store.api_keys import ApiKeys
 from store.schema import connect, database_url, migrate
 from store.setup import data_dir
 
@@ -30,6 +34,8 @@ async def run(args) -> str:
         if args.command == "migrate":
             return (f"schema at version {after}" if before == after
                     else f"schema brought from version {before} to {after}")
+        if args.command == "keys":
+            return await keys_command(ApiKeys(engine), args)
         accounts = Accounts(engine)
         if args.action == "list":
             rows = await accounts.list()
@@ -47,6 +53,18 @@ async def run(args) -> str:
         await engine.dispose()
 
 
+async def keys_command(keys: ApiKeys, args) -> str:
+    if args.action == "add":
+        made, key = await keys.add(args.name, args.label)
+        return (f"API key {made.id} for {made.identifier} (shown only now):\n{key}")
+    if args.action == "list":
+        rows = await keys.list(args.name)
+        return "\n".join(f"{k.id}\t{k.identifier}\t{k.label or ''}\t{k.created_at}"
+                         for k in rows) or "no API keys"
+    await keys.revoke(args.id)
+    return f"revoked {args.id}"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m store", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +76,12 @@ def main(argv: list[str]) -> int:
     add.add_argument("--admin", action="store_true")
     add.add_argument("--stdin", action="store_true", help="read the password from stdin")
     users.add_parser("remove").add_argument("name")
+    keys = sub.add_parser("keys").add_subparsers(dest="action", required=True)
+    make = keys.add_parser("add")
+    make.add_argument("name")
+    make.add_argument("--label", help="what the key is for")
+    keys.add_parser("list").add_argument("name", nargs="?")
+    keys.add_parser("revoke").add_argument("id")
     args = parser.parse_args(argv)
     try:
         print(asyncio.run(run(args)))

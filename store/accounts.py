@@ -107,6 +107,9 @@ class Accounts:
 
     async def remove(self, identifier: str) -> None:
         async with self.engine.begin() as conn:
+            # Its API keys first (SQLite enforces no foreign keys unless told to).
+            await conn.execute(text('DELETE FROM api_keys WHERE "identifier" = :i'),
+                               {"i": identifier})
             done = await conn.execute(text('DELETE FROM accounts WHERE "identifier" = :i'),
                                       {"i": identifier})
         if done.rowcount == 0:

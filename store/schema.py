@@ -98,6 +98,11 @@ def migrations(postgres: bool) -> list[list[str]]:
     return [
         [sql.format(json="JSONB" if postgres else "TEXT", tags="TEXT[]" if postgres else "TEXT")
          for sql in _tables()],
+        # 2: API keys of accounts (store/api_keys.py): only a hash of each key is kept.
+        ["""CREATE TABLE api_keys (
+            "id" TEXT PRIMARY KEY, "keyHash" TEXT NOT NULL UNIQUE,
+            "identifier" TEXT NOT NULL REFERENCES accounts ("identifier") ON DELETE CASCADE,
+            "label" TEXT, "createdAt" TEXT NOT NULL)"""],
     ]
 
 

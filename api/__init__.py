@@ -1,0 +1,1 @@
+"""HTTP APIs beside the chat UI (openai.py: the OpenAI-compatible one)."""

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible API (api/openai.py) of a real `chainlit run app.py`, driven by the
+`openai` package: keys, models, completions whole and streamed, the profile's limits, a
+client that leaves mid-reply, and requests batched with a chat user's turn."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from api.openai import refusal
+from engine import Busy, ChatError, Unavailable
+from tools.chainlit_client import ROOT, TEST_USER, ChatClient, Server
+
+OPERATOR_KEY = "operator-key-for-tests-0123456789"
+
+
+@pytest.fixture(scope="module")
+async def server():
+    # Replies run to max_tokens (the benchmark switch): their lengths are known.
+    srv = Server({"CHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"})
+    try:
+        await srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def api(server, key: str = OPERATOR_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def store(server, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "store", *args], env=dict(server.env),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_every_request_needs_a_key_and_each_profile_is_a_model(server):
+    for key in ("wrong-key", "vck-00000000-not-a-real-one"):
+        with pytest.raises(openai.AuthenticationError):
+            await api(server, key).models.list()
+    models = await api(server).models.list()
+    assert [m.id for m in models.data] == ["Latency-first", "Throughput-first"]
+    assert OPERATOR_KEY not in server.log()
+
+
+async def test_a_whole_completion_with_usage(server):
+    reply = await api(server).chat.completions.create(
+        model="Latency-first", messages=ask("Name a colour."), max_tokens=8)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 8 and reply.usage.prompt_tokens > 5
+    assert reply.model == "Latency-first"
+
+
+async def test_a_streamed_completion_arrives_in_pieces_with_usage_at_the_end(server):
+    stream = await api(server).chat.completions.create(
+        model="Throughput-first", max_tokens=24, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "My name is Ann."},
+                  {"role": "assistant", "content": "Hello Ann."},
+                  {"role": "user", "content": [{"type": "text", "text": "Who am I?"}]}])
+    chunks = [chunk async for chunk in stream]
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and
+              c.choices[0].delta.content]
+    assert len(pieces) > 3, "streamed in several pieces"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 24
+    alone = await api(server).chat.completions.create(
+        model="Throughput-first", max_tokens=1,
+        messages=[{"role": "system", "content": "You are terse."}, *ask("Who am I?")])
+    assert usage.prompt_tokens >= alone.usage.prompt_tokens + 8, "the earlier turn was sent"
+
+
+async def test_an_account_key_acts_as_its_account_until_revoked(server):
+    made = store(server, "keys", "add", TEST_USER, "--label", "tests")
+    key = made.strip().splitlines()[-1]
+    key_id = made.split()[2]
+    reply = await api(server, key).chat.completions.create(
+        model="Latency-first", messages=ask("Hello from a script."), max_tokens=4)
+    assert reply.usage.completion_tokens == 4
+    assert f'"user": "{TEST_USER}"' in server.log() or f"user={TEST_USER}" in server.log()
+    assert key not in server.log() and "Hello from a script" not in server.log()
+    store(server, "keys", "revoke", key_id)
+    with pytest.raises(openai.AuthenticationError):
+        await api(server, key).models.list()
+
+
+async def test_requests_beyond_the_profiles_limits_are_refused_naming_them(server):
+    client = api(server)
+    with pytest.raises(openai.BadRequestError, match="max_tokens.*from 1 to 1024"):
+        await client.chat.completions.create(model="Latency-first", messages=ask("Hi"),
+                                             max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="characters long"):
+        await client.chat.completions.create(model="Latency-first",
+                                             messages=ask("a" * 100_001), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="last message must be the user's"):
+        await client.chat.completions.create(
+            model="Latency-first", max_tokens=4,
+            messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "?"}])
+    with pytest.raises(openai.NotFoundError, match="Unknown model 'gpt-4'"):
+        await client.chat.completions.create(model="gpt-4", messages=ask("Hi"))
+
+
+def test_engine_refusals_map_to_http_statuses():
+    assert refusal(Busy("full")).status == 429
+    assert refusal(Unavailable("restarting")).status == 503
+    assert refusal(ChatError("too long for the context")).status == 400
+
+
+async def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
+    before = (await server.request("/metrics")).text
+    stream = await api(server).chat.completions.create(
+        model="Latency-first", messages=ask("Tell me a long story."), max_tokens=1000,
+        stream=True)
+    seen = 0
+    async for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen >= 3:
+            break
+    await stream.close()
+    deadline = time.monotonic() + 20
+    while True:  # the engine's request is gone well before its 1,000 tokens
+        engines = (await server.ready_state())[1]["engines"]
+        if engines["latency-first"]["unfinished_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, engines
+        await asyncio.sleep(0.2)
+    assert stopped((await server.request("/metrics")).text) == stopped(before) + 1
+
+
+def stopped(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith('vchat_turns_stopped_total{profile="Latency-first"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_api_requests_batch_with_a_chat_users_turn(server):
+    """Scripts and browser users share the engine: they run in the same steps."""
+    user = ChatClient(server.url, "Latency-first")
+    await user.connect()
+    assert (await user.settings(max_tokens=48)).messages == []
+    calls = [api(server).chat.completions.create(model="Latency-first", max_tokens=48,
+                                                 messages=ask(f"Question {n}."))
+             for n in range(4)]
+    replies = await asyncio.gather(user.send("And mine?"), *calls)
+    await user.close()
+    assert replies[0].reply["metadata"]["output_tokens"] == 48
+    assert all(r.usage.completion_tokens == 48 for r in replies[1:])
+    engines = (await server.ready_state())[1]["engines"]
+    assert engines["latency-first"]["peak_running"] >= 5
