@@ -48,6 +48,9 @@ serve_own_origin_only()
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
+# A remote preset's HTTP clients (engine/remote.py) would log every request, health checks too.
+for _client_log in ("httpx", "httpx2"):
+    logging.getLogger(_client_log).setLevel(logging.WARNING)
 
 try:
     CONFIG = load_config()

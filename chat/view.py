@@ -8,6 +8,8 @@ STARTING_TURN = ("*The model is still starting: your message will be answered as
                  "ready.*")
 RESTARTING_PAGE = ("The model stopped unexpectedly and is being restarted: replies resume in a "
                    "moment.")
+UNREACHABLE_PAGE = ("The model server for this chat cannot be reached right now: replies resume "
+                    "once it is back.")
 FAILED_PAGE = ("The model could not start, so messages cannot be answered. Please tell the "
                "operator of this app (its log says why).")
 STOPPING_PAGE = "The app is restarting or shutting down: new messages wait until it is back."
@@ -35,6 +37,7 @@ def page_notice(status: str) -> str | None:
     """The line at the top of every open page for the engines' state (/notice), or none."""
     return {"ok": None, "starting": STARTING, "restarting": RESTARTING_PAGE,
             "ready": RESTARTING_PAGE,  # up, but an engine fails its health check
+            "unreachable": UNREACHABLE_PAGE,  # a remote preset's server (engine/remote.py)
             "stopping": STOPPING_PAGE, "stopped": STOPPING_PAGE}.get(status, FAILED_PAGE)
 
 

@@ -21,8 +21,9 @@ def main(argv: list[str]) -> int:
             config = load_config(args[0] if args else None)
             for preset in config.used_presets():
                 users = ", ".join(p.name for p in config.profiles if p.preset == preset.name)
-                print(f"{config.source}: preset {preset.name} "
-                      f"(memory share {preset.memory_share:g}) <- profiles {users}")
+                runs = (f"remote: {preset.remote.model} at {preset.remote.base_url}"
+                        if preset.remote else f"memory share {preset.memory_share:g}")
+                print(f"{config.source}: preset {preset.name} ({runs}) <- profiles {users}")
             if command == "prepare":
                 print(f"model: {resolve_model(config.model)}")
         else:

@@ -8,10 +8,12 @@ A few environment variables override fields of the file (engine/settings.py, `ov
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 
@@ -34,13 +36,27 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class Remote:
+    """An OpenAI-compatible server (say a `vllm serve` fleet behind a load balancer) that
+    runs a preset's model instead of an engine in this process (engine/remote.py)."""
+
+    base_url: str  # up to and with /v1
+    model: str  # the name the server serves it under
+    api_key_env: str | None = None  # the environment variable holding its API key
+    max_num_seqs: int = 64  # turns this app sends it at once; more wait in our line
+    max_model_len: int | None = None  # None: the server's own (its /v1/models says)
+    tokenizer: str | None = None  # None: the top-level `model:`'s tokenizer
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
-    memory_share: float
+    memory_share: float  # 0 for a remote preset: it needs no memory here
     vllm: dict = field(default_factory=dict)
     vllm_cpu: dict = field(default_factory=dict)  # on top of `vllm` when there is no GPU
     max_queued_turns: int = 64  # turns that may wait for the engine; more are refused
     vllm_gpu: dict = field(default_factory=dict)  # on top of `vllm` on a GPU
+    remote: Remote | None = None  # its model runs on that server, not in this process
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
@@ -159,12 +175,16 @@ def _build(source: str, raw: dict) -> Config:
         raise ConfigError(source, "presets", "at least one preset is needed")
     for name, body in presets_raw.items():
         where = f"presets.{name}"
+        body = _check_type(source, where, body, dict)
+        queued = _check_number(source, f"{where}.max_queued_turns",
+                               body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
+        if "remote" in body:
+            presets[name] = _build_remote_preset(source, where, name, body, queued)
+            continue
         body = _check_map(source, where, body, required={"memory_share"},
                           optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns"})
         share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
                               lo=0.0, hi=1.0, lo_open=True)
-        queued = _check_number(source, f"{where}.max_queued_turns",
-                               body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
         presets[name] = Preset(
             name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
             _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
@@ -187,6 +207,46 @@ def _build(source: str, raw: dict) -> Config:
                           f"shares of the presets in use must sum to at most 1.0, got {total:g} "
                           f"({used})")
     return config
+
+
+def _build_remote_preset(source: str, where: str, name: str, body: dict, queued: int
+                         ) -> Preset:
+    """A preset whose model runs on an OpenAI-compatible server: no vLLM options and no
+    memory here, both belong to that server."""
+    for key in ("vllm", "vllm_cpu", "vllm_gpu"):
+        if key in body:
+            raise ConfigError(source, f"{where}.{key}",
+                              "not allowed beside `remote:`: vLLM engine options belong to the "
+                              "remote server (set them where it is started); remove them, or "
+                              "remove `remote:` to run the model in this process")
+    if "memory_share" in body:
+        raise ConfigError(source, f"{where}.memory_share",
+                          "not allowed beside `remote:`: a remote preset takes no memory "
+                          "here (its server has its own); remove it")
+    _check_map(source, where, body, required={"remote"}, optional={"max_queued_turns"})
+    at = f"{where}.remote"
+    raw = _check_map(source, at, body["remote"], required={"base_url", "model"},
+                     optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer"})
+    url = _check_type(source, f"{at}.base_url", raw["base_url"], str).strip()
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(source, f"{at}.base_url", "must be an http(s) URL of an OpenAI-"
+                          f"compatible API, like http://host:8000/v1, got {url!r}")
+    for key in ("model", "tokenizer", "api_key_env"):
+        if key in raw and not _check_type(source, f"{at}.{key}", raw[key], str).strip():
+            raise ConfigError(source, f"{at}.{key}", "must not be empty")
+    key_env = raw.get("api_key_env")
+    if key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+        raise ConfigError(source, f"{at}.api_key_env", "must name an environment variable "
+                          f"(which holds the key, not the key itself), got {key_env!r}")
+    remote = Remote(
+        url.rstrip("/"), raw["model"], key_env,
+        _check_number(source, f"{at}.max_num_seqs",
+                      raw.get("max_num_seqs", Remote.max_num_seqs), int, lo=1),
+        None if raw.get("max_model_len") is None else _check_number(
+            source, f"{at}.max_model_len", raw["max_model_len"], int, lo=2),
+        raw.get("tokenizer"))
+    return Preset(name, 0.0, max_queued_turns=queued, remote=remote)
 
 
 def _build_profile(source: str, where: str, body, presets: dict) -> Profile:

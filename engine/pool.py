@@ -1,4 +1,5 @@
-"""The engines of one app process: one `PresetEngine` per preset that some profile uses.
+"""The engines of one app process: one `PresetEngine` per preset that some profile uses,
+or a `RemoteEngine` for a preset whose model runs on a remote server (`remote:`).
 
 Usage (the public surface the UI relies on):
 
@@ -27,6 +28,7 @@ from .history import Prompt, fit_history
 from .launch import EngineSetup, Machine, engine_setup
 from .llm import PresetEngine
 from .model import resolve_model
+from .remote import RemoteEngine
 from .settings import setting
 from .standin import StandInEngine
 from .stats import TurnStats
@@ -82,15 +84,19 @@ class Engines:
 
     async def start(self) -> None:
         """Resolve the model once (off the event loop: a first start converts the embedded
-        model, a hub id is looked up), then start each preset's engine in turn."""
+        model, a hub id is looked up), then start each preset's engine in turn. Remote
+        presets need the model only for its tokenizer, unless they name their own."""
         self.state = "starting"
+        presets = self.config.used_presets()
         try:
-            self.model = await asyncio.to_thread(resolve_model, self.config.model)
+            if any(p.remote is None or p.remote.tokenizer is None for p in presets):
+                self.model = await asyncio.to_thread(resolve_model, self.config.model)
             machine = await asyncio.to_thread(Machine.here)
             self.gpu = machine.gpu
-            for preset in self.config.used_presets():
-                engine = self.engine_class(
-                    preset.name, engine_setup(self.config, preset, self.model, machine))
+            for preset in presets:
+                engine = RemoteEngine(preset.name, preset.remote, self.model) if preset.remote \
+                    else self.engine_class(preset.name, engine_setup(self.config, preset,
+                                                                     self.model, machine))
                 self.engines[preset.name] = engine
                 await engine.start()
                 # Our queue, not vLLM's: at most as many turns inside as it runs at once.
@@ -121,10 +127,13 @@ class Engines:
             raise Unavailable("The model failed to start; the server log says why.")
 
     async def _watch(self) -> None:
-        """Restart any engine that died, with back-off, while the others keep serving."""
+        """Restart any engine that died, with back-off, while the others keep serving. A
+        remote server is not ours to restart: its engine recovers when the server is back."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for name, engine in list(self.engines.items()):
+                if isinstance(engine, RemoteEngine):
+                    continue
                 if not engine.running and name not in self._restarting:
                     self._restarting[name] = asyncio.ensure_future(self._restart(name, engine))
 
@@ -181,12 +190,15 @@ class Engines:
         return engine
 
     async def health(self) -> dict:
-        """Overall verdict plus, per preset: healthy, requests in flight, peak batch."""
+        """Overall verdict plus, per preset: healthy, requests in flight, peak batch. A
+        remote server out of reach makes the status "unreachable", naming its presets."""
         engines = {}
         for name, engine in self.engines.items():
             healthy = await engine.check_health()
+            remote = engine.remote if isinstance(engine, RemoteEngine) else None
             engines[name] = {
                 "healthy": healthy,
+                "remote": f"{remote.model} at {remote.base_url}" if remote else None,
                 "restarting": name in self._restarting,
                 "restarts": self.restarts.get(name, 0),
                 "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
@@ -201,8 +213,12 @@ class Engines:
                                      max_admitted=gate.running, max_queued=gate.queued)
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
-        status = "ok" if ok else ("restarting" if self._restarting else self.state)
-        return {"status": status, "engines": engines, "model": self.model,
+        unreachable = [n for n, e in engines.items() if e["remote"] and not e["healthy"]]
+        status = "ok" if ok else ("restarting" if self._restarting else
+                                  "unreachable" if unreachable and self.state == "ready" else
+                                  self.state)
+        return {"status": status, "engines": engines, "unreachable": unreachable,
+                "model": self.model,
                 "engine": StandInEngine.label if self.stand_in else "vllm",
                 "random_weights": self.config.random_weights}
 
