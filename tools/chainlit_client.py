@@ -52,10 +52,14 @@ class Reply:
 
     @property
     def reply(self) -> dict | None:
-        """The assistant message that carries the streamed tokens, if any."""
+        """The assistant message that carries the streamed tokens, if any; or one that
+        streamed nothing but carries a reply's stats (the model ended at once)."""
         streamed = {e.data["id"] for e in self.events if e.name == "stream_start"}
         for msg in reversed(self.messages):
             if msg["id"] in streamed:
+                return msg
+        for msg in reversed(self.messages):
+            if "output_tokens" in (msg.get("metadata") or {}):
                 return msg
         return None
 
