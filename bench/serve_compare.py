@@ -76,6 +76,7 @@ def api_summary(r: dict) -> dict:
             "req_s": round(r["request_throughput"], 3),
             "completed": r["completed"], "failed": r.get("failed", 0),
             "output_tokens": r["total_output_tokens"], "wall_s": round(r["duration"], 3),
+            "input_tokens": r["total_input_tokens"],  # as the server counted them (its usage)
             "ttft_ms": {"p50": round(r["p50_ttft_ms"], 2), "p95": round(r["p95_ttft_ms"], 2)},
             "itl_ms": {"p50": round(r["p50_itl_ms"], 2), "p95": round(r["p95_itl_ms"], 2)},
             "tpot_ms": {"p50": round(r["p50_tpot_ms"], 2)},
