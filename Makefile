@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test screenshots soak bench lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench bench-compare lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -38,6 +38,11 @@ soak: model
 # Batching and presets on the engine and app paths; writes bench/results/latest.{json,png}.
 bench: model
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# The app's API against vLLM's own OpenAI server and its chat path against the usual
+# Chainlit + vLLM app (bench/serve_compare.py); writes bench/results/serve-compare-cpu.json.
+bench-compare: model
+	$(PY) -m bench.serve_compare $(COMPARE_ARGS)
 
 # Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
 # where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).

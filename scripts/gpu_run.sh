@@ -6,6 +6,8 @@
 #   scripts/gpu_run.sh OUT bench [BENCH ARGS...]   make bench's runs, dummy Qwen3-4B weights
 #   scripts/gpu_run.sh OUT speed [ARGS...]         bench.engine_speed, dummy Qwen3-4B
 #   scripts/gpu_run.sh OUT tune [ARGS...]          bench.tune (preset variants side by side)
+#   scripts/gpu_run.sh OUT compare [ARGS...]       bench.serve_compare (the app against vLLM's
+#                                                  server and the usual Chainlit app, ~5 min)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
 #                                                  checkout, its own session), into DIR
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
@@ -58,6 +60,13 @@ case "$step" in
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.tune --name gpu-h200-tune "$@" > "$out/tune.log" 2>&1
     status=$?; grep -v '^\s*$' "$out/tune.log" | tail -12
     cp bench/results/gpu-h200-tune* profiles.yaml "$out/" 2>/dev/null; exit $status ;;
+  compare)  # the app's API vs vLLM's own server, its chat path vs the usual Chainlit app
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.serve_compare --name gpu-h200 --pairs 2 \
+      --num-prompts 128 --output-len 128 "$@" > "$out/compare.log" 2>&1
+    status=$?; grep -v '^\s*$' "$out/compare.log" | grep -v Warning | tail -16
+    cp bench/results/serve-compare-gpu-h200.json "$out/" 2>/dev/null
+    [ "$status" = 0 ] || cp .cache/server-*.log .cache/vllm-server-*.log "$out/" 2>/dev/null
+    exit $status ;;
   speed)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.engine_speed --out "$out/speed.json" "$@" \
       > "$out/speed.log" 2>&1; tail -30 "$out/speed.log" ;;

@@ -240,9 +240,11 @@ def free_port() -> int:
 
 
 class Server:
-    """`chainlit run app.py` in its own process group, as a user would start it."""
+    """`chainlit run app.py` in its own process group, as a user would start it (`app`:
+    another Chainlit app file, relative to the repository root)."""
 
-    def __init__(self, extra_env: dict | None = None, base_env: dict | None = None):
+    def __init__(self, extra_env: dict | None = None, base_env: dict | None = None,
+                 app: str = "app.py"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
@@ -257,7 +259,7 @@ class Server:
         chainlit = Path(sys.executable).parent / "chainlit"  # else a --target install
         command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
         self.proc = subprocess.Popen(
-            command + ["run", "app.py", "--headless", "--port", str(self.port)],
+            command + ["run", app, "--headless", "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
 
