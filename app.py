@@ -299,8 +299,7 @@ async def take_turn(conv: Conversation, user: Message, message_id: str,
     Counted and logged once, however it ends (chat/metrics.py)."""
     profile = conv.profile.name
     record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
-    TURNS.started.labels(profile).inc()
-    TURNS.running.labels(profile).inc()
+    TURNS.begin(profile)
     try:
         with SHUTDOWN.turn():
             await withdraw_regenerate()  # the reply that offered it is no longer the last
@@ -312,14 +311,13 @@ async def take_turn(conv: Conversation, user: Message, message_id: str,
         record.outcome = "stopped"
         raise
     except ChatError as exc:  # explained (queue full, engine restarting...): nothing stored
-        record.outcome, record.reason = "refused", "turn"
+        record.outcome = "refused"
         await cl.Message(content=str(exc)).send()
     except Exception:  # a bug or an engine failure: logged, never a trace to the user
         log.exception("turn failed")
         await cl.Message(content=UNEXPECTED).send()
     finally:
         conv.end_turn()
-        TURNS.running.labels(profile).dec()
         TURNS.end(record, stats)
 
 

@@ -89,8 +89,7 @@ class OpenAIApi:
         except ApiError as exc:
             return exc.response()
         record = TurnRecord("failed", user, profile.name, message=turn["new"].content)
-        self.turns.started.labels(profile.name).inc()
-        self.turns.running.labels(profile.name).inc()
+        self.turns.begin(profile.name)
         call = Call(self, request, profile, turn, record)
         if body.get("stream"):
             return await call.streamed(bool((body.get("stream_options") or {}).get(
@@ -193,12 +192,9 @@ class Call:
         return self.api.engines.stream(prompt, self.profile.name, ignore_eos=self.api.ignore_eos,
                                        **self.turn["sampling"])
 
-    def end(self, outcome: str, error: ChatError | None = None) -> None:
+    def end(self, outcome: str) -> None:
         self.record.outcome = outcome
-        if outcome == "refused":
-            self.record.reason = "turn"
         self.record.reply = "".join(self.reply)
-        self.api.turns.running.labels(self.profile.name).dec()
         self.api.turns.end(self.record, self.stats)
 
     async def whole(self) -> Response:

@@ -79,7 +79,7 @@ class TurnMetrics:
         self.failed = Counter("vchat_turns_failed", "Turns ended by an unexpected error", by,
                               registry=registry)
         self.refused = Counter("vchat_turns_refused", "Messages refused with a message to "
-                               "the user (reason: message, closing, engine)",
+                               "the user (reason: message, closing, turn)",
                                [*by, "reason"], registry=registry)
         self.running = Gauge("vchat_turns_running", "Turns being answered or waiting", by,
                              registry=registry)
@@ -98,9 +98,16 @@ class TurnMetrics:
         self.refused.labels(record.profile, record.reason).inc()
         self._log(record)
 
+    def begin(self, profile: str) -> None:
+        """A message reached a turn; `end` follows once, however it ends."""
+        self.started.labels(profile).inc()
+        self.running.labels(profile).inc()
+
     def end(self, record: TurnRecord, stats: TurnStats | None = None) -> None:
-        """A started turn's end, with the engine's stats when it finished."""
+        """A started turn's end, with the engine's stats when it finished. Refused once
+        begun is reason "turn"."""
         profile = record.profile
+        self.running.labels(profile).dec()
         if stats is not None:
             record.preset, record.request_id = stats.preset, stats.request_id
             record.prompt_tokens, record.output_tokens = stats.prompt_tokens, stats.output_tokens
@@ -112,7 +119,8 @@ class TurnMetrics:
             if stats.ttft_s is not None:
                 self.ttft.labels(profile).observe(stats.ttft_s)
         if record.outcome == "refused":
-            self.refused.labels(profile, record.reason or "engine").inc()
+            record.reason = "turn"
+            self.refused.labels(profile, record.reason).inc()
         else:
             {"finished": self.finished, "stopped": self.stopped,
              "failed": self.failed}[record.outcome].labels(profile).inc()

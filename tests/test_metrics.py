@@ -42,13 +42,14 @@ def test_turns_are_counted_by_profile_and_logged_once_without_text(caplog):
     turns = TurnMetrics(registry)
     stats = TurnStats("chat-1", "latency-first", 30, 12, 0.05, 0.5, "stop")
     with caplog.at_level(logging.INFO, logger="vchat.turns"):
-        turns.started.labels("Latency-first").inc()
+        turns.begin("Latency-first")
         turns.end(TurnRecord("finished", "ann", "Latency-first", message="secret question",
                              reply="secret answer"), stats)
         turns.refuse(TurnRecord("refused", "bob", "Throughput-first", reason="message",
                                 message="too long"))
     found = samples(registry)
     assert found[("vchat_turns_finished_total", (("profile", "Latency-first"),))] == 1
+    assert found[("vchat_turns_running", (("profile", "Latency-first"),))] == 0
     assert found[("vchat_prompt_tokens_total", (("profile", "Latency-first"),))] == 30
     assert found[("vchat_output_tokens_total", (("profile", "Latency-first"),))] == 12
     assert found[("vchat_turns_refused_total",
@@ -71,6 +72,7 @@ def test_turns_are_counted_by_profile_and_logged_once_without_text(caplog):
 def test_message_text_is_logged_only_when_asked(caplog):
     turns = TurnMetrics(CollectorRegistry(), log_text=True)
     with caplog.at_level(logging.INFO, logger="vchat.turns"):
+        turns.begin("Latency-first")
         turns.end(TurnRecord("stopped", "ann", "Latency-first", message="the question",
                              reply="half an"))
     record = json.loads(JsonLines().format(caplog.records[-1]))
