@@ -133,6 +133,7 @@ class Sides:
         await self.app.wait_ready(timeout=900)
         self.plain = VllmServer(self.setup.args, {**self.base_env, **self.setup.env,
                                                   "HF_HUB_OFFLINE": "1"})
+        self.plain.start()
         await self.plain.wait_ready(timeout=900)
         if "chat" in self.args.compare:
             self.baseline = Server({"BASELINE_BASE_URL": self.plain.url + "/v1",

