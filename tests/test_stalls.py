@@ -62,7 +62,10 @@ async def test_steps_made_back_to_back_are_ordered_by_their_creation_time(sleeps
 def test_the_long_lived_heap_is_left_out_of_collections():
     try:
         frozen = stalls.freeze_heap()
-        assert frozen == gc.get_freeze_count() > 10_000  # this process: pytest, chainlit...
+        assert frozen > 10_000  # this process: pytest, chainlit...
+        # Frozen objects may be freed at once by reference counting (another thread's
+        # leftovers, say): the count only ever goes down from what was returned.
+        assert 0.99 * frozen <= gc.get_freeze_count() <= frozen
         young = [object() for _ in range(10)]
         # Frozen objects may still be freed (by reference counting); none are added.
         assert gc.get_freeze_count() <= frozen, "objects made later are collected as usual"
