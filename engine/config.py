@@ -8,6 +8,7 @@ A few environment variables override fields of the file (engine/settings.py, `ov
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -57,6 +58,7 @@ class Preset:
     max_queued_turns: int = 64  # turns that may wait for the engine; more are refused
     vllm_gpu: dict = field(default_factory=dict)  # on top of `vllm` on a GPU
     remote: Remote | None = None  # its model runs on that server, not in this process
+    gpus: tuple[int, ...] = ()  # the GPUs its engine runs on; () for the first it needs
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
@@ -132,6 +134,18 @@ class Config:
         names = dict.fromkeys(p.preset for p in self.profiles)
         return [self.presets[n] for n in names]
 
+    def gpus_needed(self, preset: Preset) -> int:
+        """The GPUs `preset`'s engine runs on: the product of vLLM's parallel sizes."""
+        options = {**self.vllm, **preset.options(True)}
+        return math.prod(options.get(name, 1) for name in PARALLEL_SIZES)
+
+    def gpus_of(self, preset: Preset) -> tuple[int, ...]:
+        """Which GPUs (indices among those the process sees) `preset`'s engine takes: the
+        ones it names, else the first it needs, as vLLM places an engine by default."""
+        if preset.remote is not None:
+            return ()
+        return preset.gpus or tuple(range(self.gpus_needed(preset)))
+
     @property
     def random_weights(self) -> bool:
         """True when the engines run on random weights (the dummy model, or `load_format:
@@ -182,13 +196,14 @@ def _build(source: str, raw: dict) -> Config:
             presets[name] = _build_remote_preset(source, where, name, body, queued)
             continue
         body = _check_map(source, where, body, required={"memory_share"},
-                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns"})
+                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus"})
         share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
                               lo=0.0, hi=1.0, lo_open=True)
         presets[name] = Preset(
             name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
             _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
-            _check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}))
+            _check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
+            gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])))
 
     profiles = []
     for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):
@@ -200,13 +215,42 @@ def _build(source: str, raw: dict) -> Config:
         raise ConfigError(source, "profiles", f"profile names must be unique, got {names}")
 
     config = Config(source, model, vllm, memory, presets, tuple(profiles))
-    total = sum(p.memory_share for p in config.used_presets())
-    if total > 1.0 + 1e-9:
-        used = ", ".join(f"{p.name}={p.memory_share}" for p in config.used_presets())
-        raise ConfigError(source, "presets.*.memory_share",
-                          f"shares of the presets in use must sum to at most 1.0, got {total:g} "
-                          f"({used})")
+    _check_placement(config)
     return config
+
+
+def _check_gpus(source: str, where: str, value) -> tuple[int, ...]:
+    gpus = _check_type(source, where, value, list)
+    if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
+            or len(set(gpus)) != len(gpus):
+        raise ConfigError(source, where, "must list distinct GPU indices (0, 1, ... as the "
+                          f"process sees them, CUDA_VISIBLE_DEVICES counts), got {value!r}")
+    return tuple(gpus)
+
+
+def _check_placement(config: Config) -> None:
+    """A preset naming its GPUs names as many as its engine runs on; the presets sharing a
+    GPU split it: their memory shares sum to at most 1.0 on each GPU (without a GPU, of the
+    CPU's KV cache: there every preset counts, as on one GPU)."""
+    sharing: dict[int, list[Preset]] = {}
+    for preset in config.used_presets():
+        needed = config.gpus_needed(preset)
+        if preset.gpus and len(preset.gpus) != needed:
+            raise ConfigError(config.source, f"presets.{preset.name}.gpus",
+                              f"names {len(preset.gpus)} GPUs but its engine runs on {needed} "
+                              "(the product of tensor_parallel_size, pipeline_parallel_size and "
+                              "data_parallel_size): name that many, or set those sizes")
+        for gpu in config.gpus_of(preset):
+            sharing.setdefault(gpu, []).append(preset)
+    for gpu, presets in sorted(sharing.items()):
+        total = sum(p.memory_share for p in presets)
+        if total > 1.0 + 1e-9:
+            used = ", ".join(f"{p.name}={p.memory_share}" for p in presets)
+            named = len(sharing) > 1 or any(p.gpus for p in presets)
+            where = f" on GPU {gpu}" if named else ""
+            raise ConfigError(config.source, "presets.*.memory_share",
+                              f"shares of the presets in use{where} must sum to at most 1.0, "
+                              f"got {total:g} ({used})")
 
 
 def _build_remote_preset(source: str, where: str, name: str, body: dict, queued: int

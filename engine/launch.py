@@ -5,9 +5,11 @@ environment its processes need. Measurements behind the defaults: BENCHMARKS.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +78,7 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     env = os.environ if env is None else env
     args = {**config.vllm, **preset.options(machine.gpu), "model": model}
     check_parallelism(preset.name, args, machine)
+    devices = visible_devices(preset, machine, env)
     if has_random_weights(model):  # no weight files: vLLM draws them at random
         args.setdefault("load_format", "dummy")
     # Compilation pays off on a GPU; on CPU it takes minutes to start for little gain.
@@ -87,7 +90,7 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
         # modules, whose lazy attributes break torch.compile's cache pickling there
         # (KeyError: 'torch'). Spawned, the process starts clean (llm.neutral_main).
         return EngineSetup(args, {"VLLM_WORKER_MULTIPROC_METHOD": env.get(
-            "VLLM_WORKER_MULTIPROC_METHOD", "spawn")})
+            "VLLM_WORKER_MULTIPROC_METHOD", "spawn"), **devices})
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
                                         * GIB)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))
@@ -105,6 +108,44 @@ def check_parallelism(preset: str, args: dict, machine: Machine) -> None:
     if not machine.gpu or needed > machine.gpus:
         raise ConfigError("profiles.yaml", f"presets.{preset}.vllm",
                           f"{asked} needs {needed} GPUs; this machine has {have}")
+
+
+def visible_devices(preset: Preset, machine: Machine, env: Mapping[str, str]) -> dict:
+    """The GPUs a preset names, as the CUDA_VISIBLE_DEVICES its engine's processes see
+    (indices count among the GPUs this process sees: an operator's own
+    CUDA_VISIBLE_DEVICES maps them); {} for a preset that names none."""
+    if not preset.gpus:
+        return {}
+    have = f"{machine.gpus} GPU{'s' if machine.gpus != 1 else ''}" if machine.gpu else "no GPU"
+    missing = [g for g in preset.gpus if not machine.gpu or g >= machine.gpus]
+    if missing:
+        seen = f" (0 to {machine.gpus - 1})" if machine.gpu and machine.gpus else ""
+        raise ConfigError("profiles.yaml", f"presets.{preset.name}.gpus",
+                          f"GPU {', '.join(map(str, missing))} named; this machine has {have}"
+                          f"{seen}")
+    ours = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ours[g] if g < len(ours) else str(g)
+                                             for g in preset.gpus)}
+
+
+_PROCESS_ENV = threading.Lock()
+
+
+@contextlib.contextmanager
+def process_env(env: Mapping[str, str]) -> Iterator[None]:
+    """`env` in this process while one engine's processes start (they copy it), and as it
+    was afterwards: one engine's GPUs are not the next one's. One engine at a time."""
+    with _PROCESS_ENV:
+        before = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def cpu_dtype(flags: frozenset[str]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from .chat_format import ChatFormatter
 from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt
-from .launch import EngineSetup
+from .launch import EngineSetup, process_env
 from .metrics import engine_series
 from .stats import StepStats, TurnStats
 
@@ -92,17 +91,17 @@ class PresetEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        try:
-            vllm_config = AsyncEngineArgs(**self.setup.args).create_engine_config()
-        except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
-            raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
-                              f"vLLM refused these options: {_first_line(exc)}") from exc
-        os.environ.update(self.setup.env)  # read by the processes vLLM spawns
         registry = CollectorRegistry()  # a restarted engine registers its series anew
-        with neutral_main():
-            llm = AsyncLLM.from_vllm_config(
-                vllm_config,
-                stat_loggers=[self.step_stats.logger_factory(), engine_series(registry)])
+        with process_env(self.setup.env):  # read by vLLM here and by the processes it starts
+            try:
+                vllm_config = AsyncEngineArgs(**self.setup.args).create_engine_config()
+            except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
+                raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
+                                  f"vLLM refused these options: {_first_line(exc)}") from exc
+            with neutral_main():
+                llm = AsyncLLM.from_vllm_config(
+                    vllm_config,
+                    stat_loggers=[self.step_stats.logger_factory(), engine_series(registry)])
         self.metrics = registry
         with self._lock:
             if not self._abandoned:

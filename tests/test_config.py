@@ -241,6 +241,96 @@ def test_parallel_sizes_are_checked_against_the_gpus_present(tmp_path):
     assert "tensor_parallel_size" not in one.args  # vLLM's default, one device
 
 
+def own_gpus(data, fast=(0,), big=(1,), share=1.0):
+    """Each preset on its own GPU, each taking all of it."""
+    for name, gpus in (("latency-first", fast), ("throughput-first", big)):
+        data["presets"][name].update(gpus=list(gpus), memory_share=share)
+
+
+TWO_GPUS = Machine(gpu=True, cores=32, gpus=2)
+
+
+def test_on_two_gpus_each_preset_gets_its_own_and_all_of_its_memory(tmp_path):
+    config = load_config(write(tmp_path, mutated(own_gpus)), env={})
+    fast, big = config.presets["latency-first"], config.presets["throughput-first"]
+    assert (config.gpus_of(fast), config.gpus_of(big)) == ((0,), (1,))
+    setups = [engine_setup(config, p, "/m", TWO_GPUS, env={}) for p in (fast, big)]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in setups] == ["0", "1"]
+    assert all(s.args["gpu_memory_utilization"] == config.memory.gpu_memory_utilization
+               for s in setups)  # 1.0 of each GPU's share: nobody else is on it
+    # The operator's own CUDA_VISIBLE_DEVICES: our indices count among the GPUs it lets
+    # this process see.
+    theirs = engine_setup(config, big, "/m", TWO_GPUS, env={"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert theirs.env["CUDA_VISIBLE_DEVICES"] == "6"
+    # The shipped file names no GPU: its engines take GPU 0 as vLLM would, no variable set.
+    shipped = load_config(ROOT / "profiles.yaml", env={})
+    assert {shipped.gpus_of(p) for p in shipped.used_presets()} == {(0,)}
+    assert "CUDA_VISIBLE_DEVICES" not in engine_setup(
+        shipped, shipped.presets["latency-first"], "/m", TWO_GPUS, env={}).env
+
+
+def test_named_gpus_are_checked_against_the_machine_with_the_numbers_named(tmp_path):
+    config = load_config(write(tmp_path, mutated(own_gpus)), env={})
+    big = config.presets["throughput-first"]
+    with pytest.raises(ConfigError, match=r"presets\.throughput-first\.gpus: GPU 1 named; "
+                       r"this machine has 1 GPU \(0 to 0\)"):
+        engine_setup(config, big, "/m", Machine(gpu=True, cores=16, gpus=1), env={})
+    with pytest.raises(ConfigError, match="GPU 1 named; this machine has no GPU"):
+        engine_setup(config, big, "/m", CPU, env={})
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d["presets"]["latency-first"].update(gpus=1), "must be a list"),
+    (lambda d: d["presets"]["latency-first"].update(gpus=[0, 0]), "distinct GPU indices"),
+    (lambda d: d["presets"]["latency-first"].update(gpus=[-1]), "distinct GPU indices"),
+    (lambda d: d["presets"]["latency-first"].update(gpus=["0"]), "distinct GPU indices"),
+    (lambda d: d["presets"]["latency-first"].update(gpus=[0, 1]),
+     "names 2 GPUs but its engine runs on 1"),
+    # Both on GPU 0 (one named, one by default): together over the whole GPU.
+    (lambda d: own_gpus(d, big=()), "shares of the presets in use on GPU 0 must sum to at "
+                                    "most 1.0, got 2"),
+], ids=["not a list", "twice", "negative", "text", "too many", "sharing GPU 0"])
+def test_bad_gpu_placements_get_one_clear_message(tmp_path, change, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(write(tmp_path, mutated(change)), env={})
+
+
+def test_one_preset_on_two_gpus_through_vllms_own_parallelism(tmp_path):
+    def two_for_big(d):
+        d["presets"]["throughput-first"]["vllm_gpu"]["data_parallel_size"] = 2
+        own_gpus(d, fast=(), big=(0, 1), share=0.5)
+
+    config = load_config(write(tmp_path, mutated(two_for_big)), env={})
+    big = config.presets["throughput-first"]
+    assert config.gpus_needed(big) == 2 and config.gpus_of(big) == (0, 1)
+    setup = engine_setup(config, big, "/m", TWO_GPUS, env={})
+    assert setup.env["CUDA_VISIBLE_DEVICES"] == "0,1" and setup.args["data_parallel_size"] == 2
+    # latency-first (no GPU named) also takes GPU 0: 0.5 + 0.5 there, 0.5 on GPU 1.
+    tight = mutated(two_for_big)
+    tight["presets"]["latency-first"]["memory_share"] = 0.6
+    with pytest.raises(ConfigError, match="on GPU 0 must sum to at most 1.0, got 1.1"):
+        load_config(write(tmp_path, tight), env={})
+
+
+def test_an_engines_environment_reaches_its_processes_and_leaves_this_one_as_it_was():
+    """process_env around an engine's start: what vLLM's spawned processes see, restored
+    afterwards so the next engine's GPUs are its own (a real spawned child reads it)."""
+    from engine.launch import process_env
+
+    probe = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'), "
+             "os.environ.get('VCHAT_PROBE'))"]
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["VCHAT_PROBE"] = "operator's"
+    try:
+        with process_env({"CUDA_VISIBLE_DEVICES": "1", "VCHAT_PROBE": "engine's"}):
+            seen = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+        assert seen.split() == ["1", "engine's"]
+        assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+        assert os.environ["VCHAT_PROBE"] == "operator's"
+    finally:
+        os.environ.pop("VCHAT_PROBE", None)
+
+
 def test_engine_kind_is_vllm_unless_the_stand_in_is_asked_for():
     from engine.llm import PresetEngine
     from engine.pool import engine_kind

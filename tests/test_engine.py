@@ -1,6 +1,7 @@
 """The engine layer against the real vLLM CPU engine and the real embedded model."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -154,8 +155,14 @@ async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config)
     assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
+def bound_cores(worker) -> set[int]:
+    """The cores a vLLM CPU worker's compute threads are pinned to, one each."""
+    pinned = (os.sched_getaffinity(thread.id) for thread in worker.threads())
+    return {next(iter(cores)) for cores in pinned if len(cores) == 1}
+
+
 async def test_the_model_runs_in_the_devices_dtype_and_small_cpus_use_every_core(engines):
-    import os
+    import psutil
 
     from engine.launch import cpu_dtype
 
@@ -165,8 +172,12 @@ async def test_the_model_runs_in_the_devices_dtype_and_small_cpus_use_every_core
         assert dtype in ("torch.bfloat16", "torch.float16")
         return
     assert dtype == f"torch.{cpu_dtype(machine.cpu_flags)}"
-    if machine.cores <= 4:  # small machine (CI has 2 cores)
-        assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == "0"  # the workers inherit it
+    if machine.cores <= 4:  # small machine (CI has 2 cores): every core runs the model
+        workers = [p for p in psutil.Process().children(recursive=True)
+                   if p.name() == "VLLM::Worker"]
+        assert workers and all(len(bound_cores(w)) == machine.cores for w in workers)
+        # ... and this process is as it was (the next engine's environment is its own).
+        assert os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") is None
 
 
 @pytest.mark.skipif(Machine.here().gpu, reason="the float16 default is for CPUs only")
