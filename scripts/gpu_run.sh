@@ -8,6 +8,8 @@
 #   scripts/gpu_run.sh OUT tune [ARGS...]          bench.tune (preset variants side by side)
 #   scripts/gpu_run.sh OUT compare [ARGS...]       bench.serve_compare (the app against vLLM's
 #                                                  server and the usual Chainlit app, ~5 min)
+#   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
+#                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
 #                                                  checkout, its own session), into DIR
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
@@ -66,6 +68,10 @@ case "$step" in
     status=$?; grep -v '^\s*$' "$out/compare.log" | grep -v Warning | tail -16
     cp bench/results/serve-compare-gpu-h200.json "$out/" 2>/dev/null
     [ "$status" = 0 ] || cp .cache/server-*.log .cache/vllm-server-*.log "$out/" 2>/dev/null
+    exit $status ;;
+  two-gpus)
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.two_gpus "$@" > "$out/two-gpus.log" 2>&1
+    status=$?; tail -40 "$out/two-gpus.log"; cp bench/results/two-gpus* "$out/" 2>/dev/null
     exit $status ;;
   speed)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.engine_speed --out "$out/speed.json" "$@" \
