@@ -1,5 +1,5 @@
 """The Chainlit chat app: hooks only. Engines, presets, models and the history policy live
-in `engine/`, a session's state in `chat/session.py`.
+in `engine/`, a session's state in `chat/session.py`, a turn's course in `chat/turns.py`.
 
     chainlit run app.py            (or `make run`, which also sets up and prepares the model)
 """
@@ -12,7 +12,6 @@ import logging
 import os
 
 import chainlit as cl
-from chainlit.chat_context import chat_context
 from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
@@ -26,13 +25,12 @@ from chat import stalls
 from chat.input import check_message
 from chat.metrics import JsonLines, TurnMetrics, TurnRecord
 from chat.page import serve_own_origin_only
-from chat.session import HISTORY_CHARS, Conversation, Turn, stored_turns
+from chat.session import Conversation, stored_turns
 from chat.shutdown import Shutdown
-from chat.streaming import Coalescer, Pace
-from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
-                       RANDOM_WEIGHTS, STAND_IN, STARTING_TURN, UNEXPECTED, WITHDRAWN,
-                       page_notice, queued_notice, reply_metadata, stats_line)
-from engine import ChatError, ConfigError, Engines, Message, Prompt, TurnStats, load_config
+from chat.streaming import Pace
+from chat.turns import REGENERATE, Turns, user_name
+from chat.view import CLOSING, RANDOM_WEIGHTS, STAND_IN, page_notice
+from engine import ChatError, ConfigError, Engines, Message, load_config
 from engine.metrics import PresetSeries
 from engine.settings import setting
 from store.accounts import Accounts, AddressThrottle
@@ -74,14 +72,16 @@ try:
     # GET /metrics: the app's series by profile (chat/metrics.py), every engine's vLLM
     # series by preset (engine/metrics.py), the process's own.
     METRICS = CollectorRegistry()
-    TURNS = TurnMetrics(METRICS, log_text=setting("VCHAT_LOG_MESSAGES"))
+    TURN_METRICS = TurnMetrics(METRICS, log_text=setting("VCHAT_LOG_MESSAGES"))
     METRICS.register(PresetSeries(ENGINES.metric_registries))
     ProcessCollector(registry=METRICS)
     # /v1: the OpenAI-compatible API on the same engines (api/openai.py); CHAT_API_KEY is the
     # operator's key, accounts have their own (python -m store keys add NAME).
-    API = OpenAIApi(ENGINES, CONFIG, TURNS, ApiKeys(STORE.engine).account_of,
+    API = OpenAIApi(ENGINES, CONFIG, TURN_METRICS, ApiKeys(STORE.engine).account_of,
                     os.environ.get("CHAT_API_KEY") or None, ignore_eos=IGNORE_EOS)
     http.include_router(API.router)
+    # A turn from admission to its stored reply (chat/turns.py).
+    TURNS = Turns(ENGINES, TURN_METRICS, SHUTDOWN, STORE, PACE, ignore_eos=IGNORE_EOS)
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
@@ -229,7 +229,7 @@ async def chat_resume(thread: ThreadDict) -> None:
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
     if conv.turns:
-        await offer_regenerate(conv.turns[-1].reply_id)
+        await TURNS.offer_regenerate(conv.turns[-1].reply_id)
     log.info("chat %s resumed with %d turns", thread.get("id"), len(conv.turns))
 
 
@@ -271,8 +271,8 @@ async def on_message(message: cl.Message) -> None:
     """Check the message, answer it; whatever goes wrong, the user gets a plain message."""
     conv: Conversation = cl.user_session.get("conversation")
     if SHUTDOWN.closing:
-        TURNS.refuse(TurnRecord("refused", user_name(), conv.profile.name, reason="closing",
-                                message=message.content))
+        TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
+                                       reason="closing", message=message.content))
         await cl.Message(content=CLOSING).send()
         return
     if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
@@ -281,204 +281,13 @@ async def on_message(message: cl.Message) -> None:
         checked = check_message(message.content, conv.profile.limits.message_chars)
         conv.begin_turn()
     except ChatError as exc:  # refused: nothing is stored, the chat goes on
-        TURNS.refuse(TurnRecord("refused", user_name(), conv.profile.name, reason="message",
-                                message=message.content[:1000]))
+        TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
+                                       reason="message", message=message.content[:1000]))
         await cl.Message(content=str(exc)).send()
         return
-    await take_turn(conv, Message("user", checked.text), message.id, checked.notice)
-
-
-def user_name() -> str | None:
-    user = cl.user_session.get("user")
-    return getattr(user, "identifier", None)
-
-
-async def take_turn(conv: Conversation, user: Message, message_id: str,
-                    notice: str | None = None) -> None:
-    """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
-    Counted and logged once, however it ends (chat/metrics.py)."""
-    profile = conv.profile.name
-    record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
-    TURNS.begin(profile)
-    try:
-        with SHUTDOWN.turn():
-            await withdraw_regenerate()  # the reply that offered it is no longer the last
-            if notice:
-                await cl.Message(content=notice).send()
-            stats = await answer(conv, user, message_id, record)
-            record.outcome = "finished"
-    except asyncio.CancelledError:  # Stop, a closed browser, shutdown: answer() kept the text
-        record.outcome = "stopped"
-        raise
-    except ChatError as exc:  # explained (queue full, engine restarting...): nothing stored
-        record.outcome = "refused"
-        await cl.Message(content=str(exc)).send()
-    except Exception:  # a bug or an engine failure: logged, never a trace to the user
-        log.exception("turn failed")
-        await cl.Message(content=UNEXPECTED).send()
-    finally:
-        conv.end_turn()
-        TURNS.end(record, stats)
-
-
-REGENERATE = "regenerate"
-
-
-async def offer_regenerate(reply_id: str | None) -> None:
-    """A "Regenerate" button under the last reply (only there: the one before goes)."""
-    await withdraw_regenerate()
-    if reply_id is not None and not SHUTDOWN.closing:
-        button = cl.Action(name=REGENERATE, payload={}, label="Regenerate", icon="refresh-cw",
-                           tooltip="Write this reply again")
-        await button.send(for_id=reply_id)
-        cl.user_session.set(REGENERATE, button)
-
-
-async def withdraw_regenerate() -> None:
-    button: cl.Action | None = cl.user_session.get(REGENERATE)
-    if button is not None:
-        cl.user_session.set(REGENERATE, None)
-        await button.remove()
+    await TURNS.take(conv, Message("user", checked.text), message.id, checked.notice)
 
 
 @cl.action_callback(REGENERATE)
 async def regenerate(button: cl.Action) -> None:
-    """The last reply written again: it leaves the page, the stored chat and the history,
-    and its message is answered anew. Chainlit calls this from an HTTP request, not as a
-    turn: the answer runs as the session's task, so Stop ends it as it ends any reply."""
-    conv: Conversation = cl.user_session.get("conversation")
-    turn = None
-    if not SHUTDOWN.closing and conv is not None and not conv.in_flight:
-        turn = conv.take_back(button.forId)
-    if turn is None:
-        await cl.Message(content=CLOSING if SHUTDOWN.closing else NOT_REGENERATED).send()
-        return
-    try:
-        conv.begin_turn()
-    except ChatError as exc:  # too many turns this minute: the reply stays
-        conv.turns.append(turn)
-        await cl.Message(content=str(exc)).send()
-        return
-    session = cl.context.session
-    task = asyncio.create_task(answer_again(conv, turn))
-    session.current_task = task  # what Stop cancels
-    SETTLING.add(task)
-    task.add_done_callback(SETTLING.discard)
-
-
-async def answer_again(conv: Conversation, turn: Turn) -> None:
-    await cl.context.emitter.task_start()
-    try:
-        shown = next((m for m in chat_context.get() if m.id == turn.reply_id), None)
-        await (shown or cl.Message(content="", id=turn.reply_id)).remove()
-        await take_turn(conv, turn.user, turn.message_id)
-    except asyncio.CancelledError:
-        pass  # stopped: answer() kept what was shown (or said it was withdrawn)
-    finally:
-        await cl.context.emitter.task_end()
-
-
-class WaitNote:
-    """A turn's note while it waits (for the model to start, then for its place in line,
-    updated as it moves up), removed once the reply starts or the turn ends."""
-
-    def __init__(self, profile: str):
-        self.profile = profile
-        self.message: cl.Message | None = None
-        self.in_line = False  # counted in vchat_turns_waiting
-
-    async def say(self, text: str) -> None:
-        new, self.message = self.message is None, self.message or cl.Message(content="")
-        self.message.content = text
-        await (self.message.send() if new else self.message.update())
-
-    async def show(self, place: int) -> None:
-        if not self.in_line:
-            self.in_line = True
-            TURNS.waiting.labels(self.profile).inc()
-        await self.say(queued_notice(place))
-
-    async def remove(self) -> None:
-        if self.in_line:
-            self.in_line = False
-            TURNS.waiting.labels(self.profile).dec()
-        if self.message is not None:
-            message, self.message = self.message, None
-            await message.remove()
-
-
-async def answer(conv: Conversation, user: Message, message_id: str,
-                 record: TurnRecord) -> TurnStats:
-    """One turn: wait for the engines, fit the history, stream the reply, record it."""
-    note, reply = WaitNote(conv.profile.name), cl.Message(content="")
-    try:
-        if ENGINES.state == "starting":
-            await note.say(STARTING_TURN)
-        await ENGINES.ready()
-        prompt = ENGINES.fit(conv.profile.name, conv.history(), user,
-                             system_prompt=conv.settings.system_prompt,
-                             max_tokens=conv.settings.max_tokens)
-        for notice in conv.notices(prompt):
-            await cl.Message(content=notice).send()
-        stats = await stream_reply(conv, prompt, reply, note)
-    except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
-        record.reply = reply.content
-        await end_early(conv, user, reply, message_id)
-        raise
-    finally:
-        await note.remove()
-    record.reply = reply.content
-    conv.record(user, reply.content, message_id, reply.id)
-    reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
-                      HISTORY_CHARS: len(reply.content)}
-    if conv.settings.show_stats:
-        reply.content += "\n\n" + stats_line(stats, conv.profile.name)
-    await reply.send()
-    await offer_regenerate(reply.id)
-    # The next message need not wait for the database: the turn ends now, and the check
-    # runs after it (a shutdown waits for it). Before: BENCHMARKS.md, "Writes to the database".
-    SHUTDOWN.finish_later(check_saved())
-    return stats
-
-
-async def check_saved() -> None:
-    """Writes of this chat that the database refused are said, not lost in a log."""
-    thread_id = cl.context.session.thread_id
-    failed = await STORE.settle(thread_id)
-    if failed:
-        log.error("chat %s: %d writes failed, last: %s", thread_id, len(failed), failed[-1])
-        await cl.Message(content=NOT_SAVED).send()
-
-
-async def stream_reply(conv: Conversation, prompt: Prompt, reply: cl.Message,
-                       note: WaitNote) -> TurnStats:
-    """Stream the reply into `reply` as the engine writes it; the turn's stats at the end."""
-    out, stats = Coalescer(reply.stream_token, pace=PACE), None
-    try:
-        async for item in ENGINES.stream(prompt, conv.profile.name, on_queued=note.show,
-                                         ignore_eos=IGNORE_EOS, **conv.sampling()):
-            await note.remove()
-            if isinstance(item, TurnStats):
-                stats = item
-            else:
-                await out.feed(item)  # pulls the engine once per update
-        await out.close()
-    finally:
-        out.discard()  # stopped or failed: what was not shown yet is not sent
-    return stats
-
-
-async def end_early(conv: Conversation, user: Message, reply: cl.Message,
-                    message_id: str) -> None:
-    """Keep what was shown of a reply that ended early, marked as such; a turn withdrawn
-    before its reply began is not part of the conversation."""
-    closing = SHUTDOWN.closing
-    if not reply.content:
-        await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
-        return
-    conv.record(user, reply.content, message_id, reply.id)
-    reply.metadata = {"stopped": True, "profile": conv.profile.name, "cut_by_shutdown": closing,
-                      HISTORY_CHARS: len(reply.content)}
-    reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"
-    await reply.send()
-    await offer_regenerate(reply.id)
+    await TURNS.regenerate(button)

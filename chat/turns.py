@@ -1,0 +1,228 @@
+"""A chat turn from admission to its stored reply: wait for the engines (saying so), fit
+the history, stream the reply, record it, offer Regenerate under it. Whatever goes wrong,
+the user gets a plain message and the turn is counted and logged once (chat/metrics.py).
+
+app.py's hooks hand admitted turns here (`Turns.take`) and Regenerate presses
+(`Turns.regenerate`); the engines are reached through engine/'s `Engines` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import chainlit as cl
+from chainlit.chat_context import chat_context
+
+from chat.metrics import TurnMetrics, TurnRecord
+from chat.session import HISTORY_CHARS, Conversation, Turn
+from chat.shutdown import Shutdown
+from chat.streaming import Coalescer, Pace
+from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
+                       STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
+                       stats_line)
+from engine import ChatError, Engines, Message, Prompt, TurnStats
+from store.data_layer import ChatDataLayer
+
+log = logging.getLogger("app")
+
+REGENERATE = "regenerate"  # the action under the last reply
+
+
+def user_name() -> str | None:
+    user = cl.user_session.get("user")
+    return getattr(user, "identifier", None)
+
+
+class WaitNote:
+    """A turn's note while it waits (for the model to start, then for its place in line,
+    updated as it moves up), removed once the reply starts or the turn ends."""
+
+    def __init__(self, profile: str, metrics: TurnMetrics):
+        self.profile = profile
+        self.metrics = metrics
+        self.message: cl.Message | None = None
+        self.in_line = False  # counted in vchat_turns_waiting
+
+    async def say(self, text: str) -> None:
+        new, self.message = self.message is None, self.message or cl.Message(content="")
+        self.message.content = text
+        await (self.message.send() if new else self.message.update())
+
+    async def show(self, place: int) -> None:
+        if not self.in_line:
+            self.in_line = True
+            self.metrics.waiting.labels(self.profile).inc()
+        await self.say(queued_notice(place))
+
+    async def remove(self) -> None:
+        if self.in_line:
+            self.in_line = False
+            self.metrics.waiting.labels(self.profile).dec()
+        if self.message is not None:
+            message, self.message = self.message, None
+            await message.remove()
+
+
+class Turns:
+    def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown,
+                 store: ChatDataLayer, pace: Pace, ignore_eos: bool = False):
+        self.engines = engines
+        self.metrics = metrics
+        self.shutdown = shutdown
+        self.store = store
+        self.pace = pace
+        self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
+        self._tasks: set[asyncio.Task] = set()  # regenerated answers, referenced till done
+
+    async def take(self, conv: Conversation, user: Message, message_id: str,
+                   notice: str | None = None) -> None:
+        """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
+        Counted and logged once, however it ends."""
+        profile = conv.profile.name
+        record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
+        self.metrics.begin(profile)
+        try:
+            with self.shutdown.turn():
+                await self.withdraw_regenerate()  # the reply that offered it is not the last
+                if notice:
+                    await cl.Message(content=notice).send()
+                stats = await self._answer(conv, user, message_id, record)
+                record.outcome = "finished"
+        except asyncio.CancelledError:  # Stop, a closed browser, shutdown: the text was kept
+            record.outcome = "stopped"
+            raise
+        except ChatError as exc:  # explained (queue full, engine restarting...): not stored
+            record.outcome = "refused"
+            await cl.Message(content=str(exc)).send()
+        except Exception:  # a bug or an engine failure: logged, never a trace to the user
+            log.exception("turn failed")
+            await cl.Message(content=UNEXPECTED).send()
+        finally:
+            conv.end_turn()
+            self.metrics.end(record, stats)
+
+    async def offer_regenerate(self, reply_id: str | None) -> None:
+        """A "Regenerate" button under the last reply (only there: the one before goes)."""
+        await self.withdraw_regenerate()
+        if reply_id is not None and not self.shutdown.closing:
+            button = cl.Action(name=REGENERATE, payload={}, label="Regenerate",
+                               icon="refresh-cw", tooltip="Write this reply again")
+            await button.send(for_id=reply_id)
+            cl.user_session.set(REGENERATE, button)
+
+    async def withdraw_regenerate(self) -> None:
+        button: cl.Action | None = cl.user_session.get(REGENERATE)
+        if button is not None:
+            cl.user_session.set(REGENERATE, None)
+            await button.remove()
+
+    async def regenerate(self, button: cl.Action) -> None:
+        """The last reply written again: it leaves the page, the stored chat and the
+        history, and its message is answered anew. Chainlit calls this from an HTTP request,
+        not as a turn: the answer runs as the session's task, so Stop ends it as it ends
+        any reply."""
+        conv: Conversation = cl.user_session.get("conversation")
+        closing, turn = self.shutdown.closing, None
+        if not closing and conv is not None and not conv.in_flight:
+            turn = conv.take_back(button.forId)
+        if turn is None:
+            await cl.Message(content=CLOSING if closing else NOT_REGENERATED).send()
+            return
+        try:
+            conv.begin_turn()
+        except ChatError as exc:  # too many turns this minute: the reply stays
+            conv.turns.append(turn)
+            await cl.Message(content=str(exc)).send()
+            return
+        task = asyncio.create_task(self._answer_again(conv, turn))
+        cl.context.session.current_task = task  # what Stop cancels
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer_again(self, conv: Conversation, turn: Turn) -> None:
+        await cl.context.emitter.task_start()
+        try:
+            shown = next((m for m in chat_context.get() if m.id == turn.reply_id), None)
+            await (shown or cl.Message(content="", id=turn.reply_id)).remove()
+            await self.take(conv, turn.user, turn.message_id)
+        except asyncio.CancelledError:
+            pass  # stopped: _answer kept what was shown (or said it was withdrawn)
+        finally:
+            await cl.context.emitter.task_end()
+
+    async def _answer(self, conv: Conversation, user: Message, message_id: str,
+                      record: TurnRecord) -> TurnStats:
+        """One turn: wait for the engines, fit the history, stream the reply, record it."""
+        note, reply = WaitNote(conv.profile.name, self.metrics), cl.Message(content="")
+        try:
+            if self.engines.state == "starting":
+                await note.say(STARTING_TURN)
+            await self.engines.ready()
+            prompt = self.engines.fit(conv.profile.name, conv.history(), user,
+                                      system_prompt=conv.settings.system_prompt,
+                                      max_tokens=conv.settings.max_tokens)
+            for notice in conv.notices(prompt):
+                await cl.Message(content=notice).send()
+            stats = await self._stream_reply(conv, prompt, reply, note)
+        except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
+            record.reply = reply.content
+            await self._end_early(conv, user, reply, message_id)
+            raise
+        finally:
+            await note.remove()
+        record.reply = reply.content
+        conv.record(user, reply.content, message_id, reply.id)
+        reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
+                          HISTORY_CHARS: len(reply.content)}
+        if conv.settings.show_stats:
+            reply.content += "\n\n" + stats_line(stats, conv.profile.name)
+        await reply.send()
+        await self.offer_regenerate(reply.id)
+        # The next message need not wait for the database: the turn ends now, and the check
+        # runs after it (a shutdown waits for it). Before: BENCHMARKS.md, "Writes to the
+        # database".
+        self.shutdown.finish_later(self._check_saved())
+        return stats
+
+    async def _check_saved(self) -> None:
+        """Writes of this chat that the database refused are said, not lost in a log."""
+        thread_id = cl.context.session.thread_id
+        failed = await self.store.settle(thread_id)
+        if failed:
+            log.error("chat %s: %d writes failed, last: %s", thread_id, len(failed), failed[-1])
+            await cl.Message(content=NOT_SAVED).send()
+
+    async def _stream_reply(self, conv: Conversation, prompt: Prompt, reply: cl.Message,
+                            note: WaitNote) -> TurnStats:
+        """Stream the reply into `reply` as the engine writes it; the turn's stats at the
+        end."""
+        out, stats = Coalescer(reply.stream_token, pace=self.pace), None
+        try:
+            async for item in self.engines.stream(prompt, conv.profile.name,
+                                                  on_queued=note.show,
+                                                  ignore_eos=self.ignore_eos, **conv.sampling()):
+                await note.remove()
+                if isinstance(item, TurnStats):
+                    stats = item
+                else:
+                    await out.feed(item)  # pulls the engine once per update
+            await out.close()
+        finally:
+            out.discard()  # stopped or failed: what was not shown yet is not sent
+        return stats
+
+    async def _end_early(self, conv: Conversation, user: Message, reply: cl.Message,
+                         message_id: str) -> None:
+        """Keep what was shown of a reply that ended early, marked as such; a turn withdrawn
+        before its reply began is not part of the conversation."""
+        closing = self.shutdown.closing
+        if not reply.content:
+            await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
+            return
+        conv.record(user, reply.content, message_id, reply.id)
+        reply.metadata = {"stopped": True, "profile": conv.profile.name,
+                          "cut_by_shutdown": closing, HISTORY_CHARS: len(reply.content)}
+        reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"
+        await reply.send()
+        await self.offer_regenerate(reply.id)
