@@ -394,6 +394,10 @@ def _check_vllm(source: str, where: str, options) -> dict:
         if key in MANAGED_OPTIONS:
             raise ConfigError(source, f"{where}.{key}",
                               "set by the engine layer (use `model:` and `memory_share`)")
+        if key == "device_ids":  # the preset's GPUs are checked against the memory shares
+            raise ConfigError(source, f"{where}.{key}",
+                              "set the preset's `gpus:` instead (GPU indices; checked "
+                              "against the machine and each GPU's memory shares)")
         if key not in known:
             close = [k for k in known if key.replace("-", "_") in k or k in key][:5]
             hint = f"; did you mean: {', '.join(close)}" if close else ""

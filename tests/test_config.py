@@ -289,7 +289,10 @@ def test_named_gpus_are_checked_against_the_machine_with_the_numbers_named(tmp_p
     # Both on GPU 0 (one named, one by default): together over the whole GPU.
     (lambda d: own_gpus(d, big=()), "shares of the presets in use on GPU 0 must sum to at "
                                     "most 1.0, got 2"),
-], ids=["not a list", "twice", "negative", "text", "too many", "sharing GPU 0"])
+    (lambda d: d["presets"]["latency-first"]["vllm_gpu"].update(device_ids=[1]),
+     "set the preset's `gpus:` instead"),
+], ids=["not a list", "twice", "negative", "text", "too many", "sharing GPU 0",
+        "vLLM's device_ids"])
 def test_bad_gpu_placements_get_one_clear_message(tmp_path, change, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         load_config(write(tmp_path, mutated(change)), env={})
