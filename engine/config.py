@@ -10,22 +10,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
 
+from .checks import PARALLEL_SIZES, check_map, check_number, check_type, check_vllm
 from .errors import ConfigError
 from .qwen import has_random_weights
 from .settings import SETTINGS, setting
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
 # vLLM options the engine layer sets itself; a preset naming them would be overridden.
-MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
-PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -165,8 +162,8 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
         raise ConfigError(source, "(file)", "not found; set VCHAT_PROFILES or create it") from None
     except yaml.YAMLError as exc:
         raise ConfigError(source, "(file)", f"not valid YAML: {exc}") from None
-    raw = _check_map(source, "(top level)", raw, required={"presets", "profiles"},
-                     optional={"model", "vllm", "memory"})
+    raw = check_map(source, "(top level)", raw, required={"presets", "profiles"},
+                    optional={"model", "vllm", "memory"})
     for name, spec in SETTINGS.items():
         value = setting(name, env) if spec.overrides else None
         if value is not None:
@@ -175,38 +172,38 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
 
 
 def _build(source: str, raw: dict) -> Config:
-    model = _check_type(source, "model", raw.get("model", "auto"), str)
-    vllm = _check_vllm(source, "vllm", raw.get("vllm") or {})
-    mem_raw = _check_map(source, "memory", raw.get("memory") or {},
-                         optional={f.name for f in dataclasses.fields(Memory)})
-    memory = Memory(**{k: _check_number(source, f"memory.{k}", v, float, lo=0.0, lo_open=True,
-                                        hi=1.0 if k == "gpu_memory_utilization" else None)
+    model = check_type(source, "model", raw.get("model", "auto"), str)
+    vllm = check_vllm(source, "vllm", raw.get("vllm") or {})
+    mem_raw = check_map(source, "memory", raw.get("memory") or {},
+                        optional={f.name for f in dataclasses.fields(Memory)})
+    memory = Memory(**{k: check_number(source, f"memory.{k}", v, float, lo=0.0, lo_open=True,
+                                       hi=1.0 if k == "gpu_memory_utilization" else None)
                        for k, v in mem_raw.items()})
 
     presets = {}
-    presets_raw = _check_type(source, "presets", raw["presets"], dict)
+    presets_raw = check_type(source, "presets", raw["presets"], dict)
     if not presets_raw:
         raise ConfigError(source, "presets", "at least one preset is needed")
     for name, body in presets_raw.items():
         where = f"presets.{name}"
-        body = _check_type(source, where, body, dict)
-        queued = _check_number(source, f"{where}.max_queued_turns",
-                               body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
+        body = check_type(source, where, body, dict)
+        queued = check_number(source, f"{where}.max_queued_turns",
+                              body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
         if "remote" in body:
             presets[name] = _build_remote_preset(source, where, name, body, queued)
             continue
-        body = _check_map(source, where, body, required={"memory_share"},
-                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus"})
-        share = _check_number(source, f"{where}.memory_share", body["memory_share"], float,
-                              lo=0.0, hi=1.0, lo_open=True)
+        body = check_map(source, where, body, required={"memory_share"},
+                         optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus"})
+        share = check_number(source, f"{where}.memory_share", body["memory_share"], float,
+                             lo=0.0, hi=1.0, lo_open=True)
         presets[name] = Preset(
-            name, share, _check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
-            _check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
-            _check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
+            name, share, check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
+            check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
+            check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
             gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])))
 
     profiles = []
-    for i, body in enumerate(_check_type(source, "profiles", raw["profiles"], list)):
+    for i, body in enumerate(check_type(source, "profiles", raw["profiles"], list)):
         profiles.append(_build_profile(source, f"profiles[{i}]", body, presets))
     if not profiles:
         raise ConfigError(source, "profiles", "at least one profile is needed")
@@ -220,7 +217,7 @@ def _build(source: str, raw: dict) -> Config:
 
 
 def _check_gpus(source: str, where: str, value) -> tuple[int, ...]:
-    gpus = _check_type(source, where, value, list)
+    gpus = check_type(source, where, value, list)
     if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
             or len(set(gpus)) != len(gpus):
         raise ConfigError(source, where, "must list distinct GPU indices (0, 1, ... as the "
@@ -267,17 +264,17 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
         raise ConfigError(source, f"{where}.memory_share",
                           "not allowed beside `remote:`: a remote preset takes no memory "
                           "here (its server has its own); remove it")
-    _check_map(source, where, body, required={"remote"}, optional={"max_queued_turns"})
+    check_map(source, where, body, required={"remote"}, optional={"max_queued_turns"})
     at = f"{where}.remote"
-    raw = _check_map(source, at, body["remote"], required={"base_url", "model"},
-                     optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer"})
-    url = _check_type(source, f"{at}.base_url", raw["base_url"], str).strip()
+    raw = check_map(source, at, body["remote"], required={"base_url", "model"},
+                    optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer"})
+    url = check_type(source, f"{at}.base_url", raw["base_url"], str).strip()
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ConfigError(source, f"{at}.base_url", "must be an http(s) URL of an OpenAI-"
                           f"compatible API, like http://host:8000/v1, got {url!r}")
     for key in ("model", "tokenizer", "api_key_env"):
-        if key in raw and not _check_type(source, f"{at}.{key}", raw[key], str).strip():
+        if key in raw and not check_type(source, f"{at}.{key}", raw[key], str).strip():
             raise ConfigError(source, f"{at}.{key}", "must not be empty")
     key_env = raw.get("api_key_env")
     if key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
@@ -285,41 +282,41 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
                           f"(which holds the key, not the key itself), got {key_env!r}")
     remote = Remote(
         url.rstrip("/"), raw["model"], key_env,
-        _check_number(source, f"{at}.max_num_seqs",
-                      raw.get("max_num_seqs", Remote.max_num_seqs), int, lo=1),
-        None if raw.get("max_model_len") is None else _check_number(
+        check_number(source, f"{at}.max_num_seqs",
+                     raw.get("max_num_seqs", Remote.max_num_seqs), int, lo=1),
+        None if raw.get("max_model_len") is None else check_number(
             source, f"{at}.max_model_len", raw["max_model_len"], int, lo=2),
         raw.get("tokenizer"))
     return Preset(name, 0.0, max_queued_turns=queued, remote=remote)
 
 
 def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
-    body = _check_map(source, where, body, required={"name", "description", "preset"},
-                      optional={"icon", "system_prompt", "sampling", "limits", "starters",
+    body = check_map(source, where, body, required={"name", "description", "preset"},
+                     optional={"icon", "system_prompt", "sampling", "limits", "starters",
                                 "default"})
     for key in ("name", "description", "icon", "system_prompt"):
         if key in body:
-            _check_type(source, f"{where}.{key}", body[key], str)
+            check_type(source, f"{where}.{key}", body[key], str)
     if not body["name"].strip():
         raise ConfigError(source, f"{where}.name", "must not be empty")
     if body["preset"] not in presets:
         raise ConfigError(source, f"{where}.preset",
                           f"unknown preset {body['preset']!r}; allowed: {', '.join(presets)}")
-    s_raw = _check_map(source, f"{where}.sampling", body.get("sampling") or {},
-                       optional={"temperature", "top_p", "max_tokens"})
+    s_raw = check_map(source, f"{where}.sampling", body.get("sampling") or {},
+                      optional={"temperature", "top_p", "max_tokens"})
     limits = {"temperature": (float, 0.0, 2.0), "top_p": (float, 0.0, 1.0),
               "max_tokens": (int, 1, None)}
     sampling = Sampling(**{
-        k: _check_number(source, f"{where}.sampling.{k}", v, limits[k][0], lo=limits[k][1],
-                         hi=limits[k][2], lo_open=(k == "top_p"))
+        k: check_number(source, f"{where}.sampling.{k}", v, limits[k][0], lo=limits[k][1],
+                        hi=limits[k][2], lo_open=(k == "top_p"))
         for k, v in s_raw.items()})
-    l_raw = _check_map(source, f"{where}.limits", body.get("limits") or {},
-                       optional={f.name for f in dataclasses.fields(Limits)})
+    l_raw = check_map(source, f"{where}.limits", body.get("limits") or {},
+                      optional={f.name for f in dataclasses.fields(Limits)})
     l_kinds = {"temperature": (float, 0.0, 2.0), "max_tokens": (int, 1, None),
                "system_prompt_chars": (int, 0, None), "message_chars": (int, 1, None),
                "turns_per_minute": (int, 1, None)}
-    limits_ = Limits(**{k: _check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
-                                         lo=l_kinds[k][1], hi=l_kinds[k][2])
+    limits_ = Limits(**{k: check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
+                                        lo=l_kinds[k][1], hi=l_kinds[k][2])
                         for k, v in l_raw.items()})
     for key in ("temperature", "max_tokens"):
         if getattr(sampling, key) > getattr(limits_, key):
@@ -331,102 +328,18 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
                           f"longer than limits.system_prompt_chars "
                           f"({limits_.system_prompt_chars})")
     starters = []
-    for j, st in enumerate(_check_type(source, f"{where}.starters", body.get("starters") or [],
-                                       list)):
-        st = _check_map(source, f"{where}.starters[{j}]", st, required={"label", "message"})
-        starters.append(Starter(_check_type(source, f"{where}.starters[{j}].label",
-                                            st["label"], str),
-                                _check_type(source, f"{where}.starters[{j}].message",
-                                            st["message"], str)))
+    for j, st in enumerate(check_type(source, f"{where}.starters", body.get("starters") or [],
+                                      list)):
+        st = check_map(source, f"{where}.starters[{j}]", st, required={"label", "message"})
+        starters.append(Starter(check_type(source, f"{where}.starters[{j}].label",
+                                           st["label"], str),
+                                check_type(source, f"{where}.starters[{j}].message",
+                                           st["message"], str)))
     return Profile(name=body["name"], description=body["description"], preset=body["preset"],
                    icon=body.get("icon", ""), system_prompt=body.get("system_prompt", ""),
                    sampling=sampling, limits=limits_, starters=tuple(starters),
-                   default=_check_type(source, f"{where}.default", body.get("default", False),
-                                       bool))
-
-
-def _check_map(source, where, value, required=frozenset(), optional=frozenset()) -> dict:
-    value = _check_type(source, where, value, dict)
-    allowed = set(required) | set(optional)
-    for key in value:
-        if key not in allowed:
-            raise ConfigError(source, f"{where}.{key}" if where != "(top level)" else str(key),
-                              f"unknown key; allowed: {', '.join(sorted(allowed))}")
-    for key in sorted(required):
-        if key not in value:
-            raise ConfigError(source, f"{where}.{key}" if where != "(top level)" else key,
-                              "missing (required)")
-    return value
-
-
-_TYPE_WORDS = {str: "text", dict: "a mapping", list: "a list", bool: "true or false",
-               int: "a whole number", float: "a number"}
-
-
-def _check_type(source, where, value, kind):
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if not ok:
-        raise ConfigError(source, where, f"must be {_TYPE_WORDS[kind]}, got {value!r}")
-    return value
-
-
-def _check_number(source, where, value, kind, lo=None, hi=None, lo_open=False):
-    value = _check_type(source, where, value, kind)
-    too_low = lo is not None and (value <= lo if lo_open else value < lo)
-    too_high = hi is not None and value > hi
-    if too_low or too_high:
-        low = "" if lo is None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
-        high = "" if hi is None else f"<= {hi:g}"
-        raise ConfigError(source, where, f"must be {' and '.join(x for x in (low, high) if x)}, "
-                                         f"got {value!r}")
-    return kind(value)
-
-
-def _check_vllm(source: str, where: str, options) -> dict:
-    """Check vLLM engine options by vLLM's own names and types (AsyncEngineArgs)."""
-    from vllm import AsyncEngineArgs
-
-    options = _check_type(source, where, options, dict)
-    known = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
-    for key, value in options.items():
-        if key in MANAGED_OPTIONS:
-            raise ConfigError(source, f"{where}.{key}",
-                              "set by the engine layer (use `model:` and `memory_share`)")
-        if key == "device_ids":  # the preset's GPUs are checked against the memory shares
-            raise ConfigError(source, f"{where}.{key}",
-                              "set the preset's `gpus:` instead (GPU indices; checked "
-                              "against the machine and each GPU's memory shares)")
-        if key not in known:
-            close = [k for k in known if key.replace("-", "_") in k or k in key][:5]
-            hint = f"; did you mean: {', '.join(close)}" if close else ""
-            raise ConfigError(source, f"{where}.{key}", f"not a vLLM engine option{hint}")
-        problem = _type_problem(known[key].type, value)
-        if problem:
-            raise ConfigError(source, f"{where}.{key}", f"{problem}, got {value!r}")
-        if key in PARALLEL_SIZES and value < 1:  # GPUs per engine: launch.py checks the count
-            raise ConfigError(source, f"{where}.{key}", f"must be at least 1, got {value!r}")
-    return dict(options)
-
-
-def _type_problem(annotation, value) -> str | None:
-    """Why `value` does not fit a simple vLLM annotation; None if it fits or is too complex."""
-    args = typing.get_args(annotation)
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        if value is None and type(None) in args:
-            return None
-        simple = [a for a in args if a is not type(None)]
-        return _type_problem(simple[0], value) if len(simple) == 1 else None
-    if typing.get_origin(annotation) is typing.Literal:
-        return None if value in args else f"must be one of {', '.join(map(repr, args))}"
-    if annotation in (int, float, bool, str):
-        ok = isinstance(value, annotation) and not (annotation is not bool
-                                                    and isinstance(value, bool))
-        if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        return None if ok else f"must be {_TYPE_WORDS[annotation]}"
-    return None
+                   default=check_type(source, f"{where}.default", body.get("default", False),
+                                      bool))
 
 
 def _set_dotted(raw: dict, dotted: str, value) -> None:
@@ -437,4 +350,3 @@ def _set_dotted(raw: dict, dotted: str, value) -> None:
             node[key] = {}
         node = node[key]
     node[leaf] = value
-
