@@ -6,14 +6,20 @@ field and what it must be.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
 from .errors import ConfigError
 
-# Engine options the engine layer sets itself (the model, each preset's memory share).
+# vLLM options the engine layer sets itself; a preset naming them would be overridden.
 MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def gpus_for(options: dict) -> int:
+    """The GPUs an engine with these vLLM options runs on: its parallel sizes' product."""
+    return math.prod(options.get(name, 1) for name in PARALLEL_SIZES)
 
 
 def check_map(source, where, value, required=frozenset(), optional=frozenset()) -> dict:
@@ -31,7 +37,7 @@ def check_map(source, where, value, required=frozenset(), optional=frozenset()) 
 
 
 TYPE_WORDS = {str: "text", dict: "a mapping", list: "a list", bool: "true or false",
-               int: "a whole number", float: "a number"}
+              int: "a whole number", float: "a number"}
 
 
 def check_type(source, where, value, kind):

@@ -8,7 +8,6 @@ A few environment variables override fields of the file (engine/settings.py, `ov
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,12 @@ from urllib.parse import urlparse
 
 import yaml
 
-from .checks import PARALLEL_SIZES, check_map, check_number, check_type, check_vllm
+from .checks import check_map, check_number, check_type, check_vllm, gpus_for
 from .errors import ConfigError
 from .qwen import has_random_weights
 from .settings import SETTINGS, setting
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
-# vLLM options the engine layer sets itself; a preset naming them would be overridden.
 
 
 @dataclass(frozen=True)
@@ -133,8 +131,7 @@ class Config:
 
     def gpus_needed(self, preset: Preset) -> int:
         """The GPUs `preset`'s engine runs on: the product of vLLM's parallel sizes."""
-        options = {**self.vllm, **preset.options(True)}
-        return math.prod(options.get(name, 1) for name in PARALLEL_SIZES)
+        return gpus_for({**self.vllm, **preset.options(True)})
 
     def gpus_of(self, preset: Preset) -> tuple[int, ...]:
         """Which GPUs (indices among those the process sees) `preset`'s engine takes: the
@@ -293,7 +290,7 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
 def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
     body = check_map(source, where, body, required={"name", "description", "preset"},
                      optional={"icon", "system_prompt", "sampling", "limits", "starters",
-                                "default"})
+                               "default"})
     for key in ("name", "description", "icon", "system_prompt"):
         if key in body:
             check_type(source, f"{where}.{key}", body[key], str)

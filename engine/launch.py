@@ -6,14 +6,14 @@ environment its processes need. Measurements behind the defaults: BENCHMARKS.md.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import PARALLEL_SIZES, Config, Preset
+from .checks import PARALLEL_SIZES, gpus_for
+from .config import Config, Preset
 from .errors import ConfigError
 from .qwen import has_random_weights
 
@@ -59,6 +59,11 @@ class Machine:
         gpu = has_cuda()
         return cls(gpu, len(os.sched_getaffinity(0)), cpu_flags(), gpu_count() if gpu else 0)
 
+    @property
+    def gpus_text(self) -> str:
+        """What this machine has, for messages: "2 GPUs", "1 GPU", "no GPU"."""
+        return f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}" if self.gpu else "no GPU"
+
 
 @dataclass(frozen=True)
 class EngineSetup:
@@ -99,15 +104,14 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
 def check_parallelism(preset: str, args: dict, machine: Machine) -> None:
     """vLLM's parallel sizes of one preset against the GPUs present: their product is the
     GPUs its engine needs. Without a GPU each preset runs as one engine on the CPU."""
-    sizes = {name: args.get(name, 1) for name in PARALLEL_SIZES}
-    needed = math.prod(sizes.values())
+    needed = gpus_for(args)
     if needed == 1:
         return
-    asked = " x ".join(f"{name} {size}" for name, size in sizes.items() if size != 1)
-    have = f"{machine.gpus} GPU{'s' if machine.gpus != 1 else ''}" if machine.gpu else "no GPU"
+    asked = " x ".join(f"{name} {args[name]}" for name in PARALLEL_SIZES
+                       if args.get(name, 1) != 1)
     if not machine.gpu or needed > machine.gpus:
         raise ConfigError("profiles.yaml", f"presets.{preset}.vllm",
-                          f"{asked} needs {needed} GPUs; this machine has {have}")
+                          f"{asked} needs {needed} GPUs; this machine has {machine.gpus_text}")
 
 
 def visible_devices(preset: Preset, machine: Machine, env: Mapping[str, str]) -> dict:
@@ -116,13 +120,12 @@ def visible_devices(preset: Preset, machine: Machine, env: Mapping[str, str]) ->
     CUDA_VISIBLE_DEVICES maps them); {} for a preset that names none."""
     if not preset.gpus:
         return {}
-    have = f"{machine.gpus} GPU{'s' if machine.gpus != 1 else ''}" if machine.gpu else "no GPU"
     missing = [g for g in preset.gpus if not machine.gpu or g >= machine.gpus]
     if missing:
         seen = f" (0 to {machine.gpus - 1})" if machine.gpu and machine.gpus else ""
         raise ConfigError("profiles.yaml", f"presets.{preset.name}.gpus",
-                          f"GPU {', '.join(map(str, missing))} named; this machine has {have}"
-                          f"{seen}")
+                          f"GPU {', '.join(map(str, missing))} named; this machine has "
+                          f"{machine.gpus_text}{seen}")
     ours = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ours[g] if g < len(ours) else str(g)
                                              for g in preset.gpus)}
