@@ -31,10 +31,9 @@ from pathlib import Path
 import yaml
 
 from bench.cli import whole_number
+from bench.serve_compare import RESULTS, SETTLE_S, ratios, take_turns
 from bench.workloads import chat
 
-RESULTS = Path(__file__).resolve().parent / "results"
-SETTLE_S = 1.0
 TARGETS = {"own_gpu_itl_p95_growth": 1.0, "data_parallel_tok_s_ratio": 1.8}
 # Every engine of a layout file at once: shares that fit GPU 0 with all of them on it.
 SHARES = {"placement": 0.3, "data-parallel": 0.45}
@@ -107,13 +106,8 @@ def placement_figures(pairs: list[dict]) -> dict:
 
 
 def data_parallel_figures(pairs: dict[int, list[dict]]) -> dict:
-    """Per level: two GPUs' tok/s over one's, the median over the pairs."""
-    out = {}
-    for level, runs in pairs.items():
-        ratio = [round(p["two-gpus"]["tok_s"] / p["one-gpu"]["tok_s"], 3) for p in runs]
-        out[str(level)] = {"tok_s_ratio": ratio,
-                           "tok_s_ratio_median": round(statistics.median(ratio), 3)}
-    return out
+    """Per level: two GPUs' tok/s over one's (and TTFT p95's), medians over the pairs."""
+    return {str(level): ratios(runs, "two-gpus", "one-gpu") for level, runs in pairs.items()}
 
 
 async def saturated(engine, users: int, output_len: int):
@@ -155,18 +149,12 @@ async def measure_placement(args, engines: dict) -> list[dict]:
 async def measure_data_parallel(args, engines: dict) -> dict[int, list[dict]]:
     from bench import paths
 
-    pairs: dict[int, list[dict]] = {level: [] for level in args.levels}
-    for i in range(args.pairs):
-        order = ("one-gpu", "two-gpus") if i % 2 == 0 else ("two-gpus", "one-gpu")
-        for level in args.levels:
-            pair = {"order": list(order)}
-            for name in order:
-                await asyncio.sleep(SETTLE_S)
-                pair[name] = await paths.run_engine(
-                    engines[name], chat(level * 2, args.output_len, seed=200 + i), level)
-                print(f"  pair {i + 1}/{args.pairs} {level} users {name}: "
-                      f"{pair[name]['tok_s']} tok/s", flush=True)
-            pairs[level].append(pair)
+    pairs = {}
+    for level in args.levels:
+        print(f"  {level} users", flush=True)
+        pairs[level] = await take_turns(args.pairs, lambda name, i: paths.run_engine(
+            engines[name], chat(level * 2, args.output_len, seed=200 + i), level),
+            ("one-gpu", "two-gpus"))
     return pairs
 
 
@@ -184,7 +172,7 @@ async def main(args) -> dict:
         have = f"{machine.gpus} GPU" if machine.gpu else "no GPU"
         raise SystemExit(f"error: bench.two_gpus needs two GPUs; this machine has {have}")
     path = layout_profiles(Path(load_config().source), args.what)
-    config = load_config(path, env={**ENV_AT_START, "VCHAT_PROFILES": str(path)})
+    config = load_config(path, env=ENV_AT_START)
     model, engines, started = resolve_model(config.model), {}, time.monotonic()
     try:
         for preset in config.used_presets():  # one after another: vLLM measures free memory

@@ -51,8 +51,8 @@ def test_the_data_parallel_layout_is_one_preset_on_one_gpu_and_on_two():
 
 
 def test_figures_are_medians_of_neighbouring_pairs():
-    def run(itl_p95=None, tok_s=None):
-        return {"itl_ms": {"p95": itl_p95}, "tok_s": tok_s}
+    def run(itl_p95=None, tok_s=None, ttft_p95=None):
+        return {"itl_ms": {"p95": itl_p95}, "tok_s": tok_s, "ttft_ms": {"p95": ttft_p95}}
 
     def pair(shared, own):  # (alone, busy) gap p95s of each layout
         return {"shared": {"alone": run(shared[0]), "busy": run(shared[1])},
@@ -63,10 +63,12 @@ def test_figures_are_medians_of_neighbouring_pairs():
     assert figures["shared"] == {"itl_p95_growth": [1.5, 3.0, 2.0], "itl_p95_growth_median": 2.0}
     assert figures["own"]["itl_p95_growth_median"] == 1.0
     dp = two_gpus.data_parallel_figures({256: [
-        {"one-gpu": run(tok_s=100), "two-gpus": run(tok_s=190)},
-        {"one-gpu": run(tok_s=100), "two-gpus": run(tok_s=170)},
-        {"one-gpu": run(tok_s=100), "two-gpus": run(tok_s=185)}]})
-    assert dp == {"256": {"tok_s_ratio": [1.9, 1.7, 1.85], "tok_s_ratio_median": 1.85}}
+        {"one-gpu": run(tok_s=100, ttft_p95=50), "two-gpus": run(tok_s=190, ttft_p95=40)},
+        {"one-gpu": run(tok_s=100, ttft_p95=50), "two-gpus": run(tok_s=170, ttft_p95=50)},
+        {"one-gpu": run(tok_s=100, ttft_p95=50), "two-gpus": run(tok_s=185, ttft_p95=45)}]})
+    assert dp == {"256": {"tok_s_ratio": [1.9, 1.7, 1.85], "tok_s_ratio_median": 1.85,
+                          "ttft_p95_ratio": [0.8, 1.0, 0.9], "ttft_p95_ratio_median": 0.9,
+                          "pair_count": 3}}
 
 
 @pytest.mark.parametrize("argv, words", [
