@@ -12,6 +12,7 @@ import yaml
 from engine import ConfigError, load_config
 from engine.launch import GIB, Machine, cpu_dtype, engine_setup
 from engine.settings import SETTINGS, setting
+from tools.chainlit_client import chainlit_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = yaml.safe_load((ROOT / "profiles.yaml").read_text())
@@ -159,8 +160,7 @@ def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 2 and "Traceback" not in check.stderr
     assert "VCHAT_ENFORCE_EAGER" in check.stderr and "'ture'" in check.stderr
-    chainlit = Path(sys.executable).parent / "chainlit"
-    app = subprocess.run([str(chainlit), "run", "app.py", "--headless", "--port", "0"],
+    app = subprocess.run(chainlit_command() + ["run", "app.py", "--headless", "--port", "0"],
                          cwd=ROOT, env={**env, "VCHAT_ENFORCE_EAGER": "1"},
                          capture_output=True, text=True, timeout=120)
     assert app.returncode != 0 and "Traceback" not in app.stdout + app.stderr

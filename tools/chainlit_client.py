@@ -239,6 +239,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def chainlit_command() -> list[str]:
+    """This Python's `chainlit` script, else its module (a --target install has no script)."""
+    chainlit = Path(sys.executable).parent / "chainlit"
+    return [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
+
+
 class Server:
     """`chainlit run app.py` in its own process group, as a user would start it (`app`:
     another Chainlit app file, relative to the repository root)."""
@@ -256,10 +262,8 @@ class Server:
             env.pop("DATABASE_URL", None)
             env["CHAT_ADMIN_USER"], env["CHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
         self.env = env
-        chainlit = Path(sys.executable).parent / "chainlit"  # else a --target install
-        command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
         self.proc = subprocess.Popen(
-            command + ["run", app, "--headless", "--port", str(self.port)],
+            chainlit_command() + ["run", app, "--headless", "--port", str(self.port)],
             cwd=ROOT, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
 
