@@ -12,7 +12,7 @@ import yaml
 from engine import ConfigError, load_config
 from engine.launch import GIB, Machine, cpu_dtype, engine_setup
 from engine.settings import SETTINGS, setting
-from tools.chainlit_client import chainlit_command
+from tools.chainlit_client import chainlit_command, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = yaml.safe_load((ROOT / "profiles.yaml").read_text())
@@ -156,13 +156,12 @@ def test_the_code_reads_no_vchat_variable_outside_the_table():
 
 def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():
     env = {**os.environ, "VCHAT_ENFORCE_EAGER": "ture", "VCHAT_SHUTDOWN_GRACE_S": "soon"}
-    check = subprocess.run([sys.executable, "-m", "engine", "check"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+    check, app = side_by_side(  # at once: each spends ~15 s importing vLLM
+        ([sys.executable, "-m", "engine", "check"], env),
+        (chainlit_command() + ["run", "app.py", "--headless", "--port", "0"],
+         {**env, "VCHAT_ENFORCE_EAGER": "1"}))
     assert check.returncode == 2 and "Traceback" not in check.stderr
     assert "VCHAT_ENFORCE_EAGER" in check.stderr and "'ture'" in check.stderr
-    app = subprocess.run(chainlit_command() + ["run", "app.py", "--headless", "--port", "0"],
-                         cwd=ROOT, env={**env, "VCHAT_ENFORCE_EAGER": "1"},
-                         capture_output=True, text=True, timeout=120)
     assert app.returncode != 0 and "Traceback" not in app.stdout + app.stderr
     assert "Configuration error: environment: VCHAT_SHUTDOWN_GRACE_S" in app.stderr
 

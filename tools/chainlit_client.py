@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,6 +244,19 @@ def chainlit_command() -> list[str]:
     """This Python's `chainlit` script, else its module (a --target install has no script)."""
     chainlit = Path(sys.executable).parent / "chainlit"
     return [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
+
+
+def side_by_side(*runs: tuple[list[str], Mapping[str, str]], timeout: float = 120
+                 ) -> list[subprocess.CompletedProcess]:
+    """Run (command, environment) pairs at once in ROOT; each one's exit status and text
+    output once all have ended."""
+    procs = [subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for command, env in runs]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 class Server:

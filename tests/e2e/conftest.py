@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, Server
 
@@ -22,6 +23,10 @@ CHROMIUM = os.environ.get("VCHAT_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
+# Replies end within this many tokens. The embedded model streams ~9 tokens a second to one
+# user on CI's 2 cores, so a reply that runs to the shipped 512 holds a test for a minute
+# (one CI run had three of them in one test: 181 s instead of ~25).
+REPLY_TOKENS = 128
 E2E_SHOTS = Path(os.environ.get("E2E_SHOTS", ROOT / ".cache" / "e2e"))
 
 if not Path(CHROMIUM).is_file() and not os.environ.get("VCHAT_REQUIRE_BROWSER"):
@@ -40,10 +45,16 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="package")
-async def app_server():
+async def app_server(tmp_path_factory):
     """One app for the browser tests, as soon as it answers HTTP (its engines still
-    starting), stopped when they are done."""
-    server = Server()
+    starting), stopped when they are done. The shipped profiles, replies capped at
+    REPLY_TOKENS."""
+    raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+    for profile in raw["profiles"]:
+        profile["sampling"]["max_tokens"] = min(profile["sampling"]["max_tokens"], REPLY_TOKENS)
+    profiles = tmp_path_factory.mktemp("e2e") / "profiles.yaml"
+    profiles.write_text(yaml.safe_dump(raw, sort_keys=False))
+    server = Server({"VCHAT_PROFILES": str(profiles)})
     try:
         await server.wait_http()
         yield server
