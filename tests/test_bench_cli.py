@@ -6,14 +6,11 @@ misspelt `--presets` name ended in a KeyError traceback.
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench.cli import parse_args
 from tools.chainlit_client import side_by_side
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def refused(config, capsys, *argv) -> str:

@@ -249,14 +249,24 @@ def chainlit_command() -> list[str]:
 def side_by_side(*runs: tuple[list[str], Mapping[str, str]], timeout: float = 120
                  ) -> list[subprocess.CompletedProcess]:
     """Run (command, environment) pairs at once in ROOT; each one's exit status and text
-    output once all have ended."""
-    procs = [subprocess.Popen(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for command, env in runs]
-    done = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
+    output once all have ended. Past `timeout` (or on any error) those still running are
+    killed, as subprocess.run does, and the error raised."""
+    procs = []
+    try:
+        for command, env in runs:
+            procs.append(subprocess.Popen(command, cwd=ROOT, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + timeout
+        done = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return done
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 class Server:
