@@ -15,6 +15,7 @@ import chainlit as cl
 from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, Switch, TextInput
 from chainlit.server import app as http
+from chainlit.server import sio
 from chainlit.types import ThreadDict
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 from prometheus_client import generate_latest
@@ -22,7 +23,9 @@ from starlette.responses import JSONResponse, Response
 
 from api.openai import OpenAIApi
 from chat import stalls
+from chat.guard import Guard
 from chat.input import check_message
+from chat.logins import Logins
 from chat.metrics import JsonLines, TurnMetrics, TurnRecord
 from chat.page import serve_own_origin_only
 from chat.session import Conversation, stored_turns
@@ -37,8 +40,11 @@ from store.accounts import Accounts, AddressThrottle
 from store.api_keys import ApiKeys
 from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
+from store.sessions import LoginSessions
 from store.setup import auth_secret, data_dir, first_admin
 
+# Chainlit's own routes, registered when its server module was imported (see OWN_ROUTES).
+CHAINLIT_ROUTES = {id(route) for route in http.router.routes}
 # Chainlit's Message and Step constructors block the event loop for 1 ms each: not here.
 stalls.skip_constructor_pause()
 # Its page fetches a font and a stylesheet from other origins: not here (chat/page.py).
@@ -69,6 +75,14 @@ try:
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
     LOGIN_ADDRESSES = AddressThrottle()
+    # A login token works while its session in the database is live: logout, removing the
+    # account or changing its password ends it everywhere (chat/logins.py). What clients
+    # send is checked where it enters, bodies bounded, origins kept to this server's and
+    # the ones listed in .chainlit/config.toml (chat/guard.py).
+    LOGINS = Logins(LoginSessions(STORE.engine), chainlit_config.project.user_session_timeout)
+    GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing)
+    GUARD.install(http, sio, chainlit_config.project.allow_origins,
+                  api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
     # GET /metrics: the app's series by profile (chat/metrics.py), every engine's vLLM
     # series by preset (engine/metrics.py), the process's own.
     METRICS = CollectorRegistry()
@@ -85,7 +99,7 @@ try:
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
-except ConfigError as exc:  # a config mistake is a message, not a stack trace
+except (ConfigError, ValueError) as exc:  # a config mistake is a message, not a trace
     raise SystemExit(f"Configuration error: {exc}") from None
 
 
@@ -101,7 +115,8 @@ async def login(username: str, password: str) -> cl.User | None:
     if account is None:
         log.info("login refused for %r", username[:100])
         return None
-    return cl.User(identifier=account.identifier, metadata={"role": account.role})
+    return cl.User(identifier=account.identifier,
+                   metadata={"role": account.role, **await LOGINS.open(account.identifier)})
 
 
 @http.middleware("http")
@@ -131,6 +146,7 @@ async def start_engines() -> None:
     elif made:
         log.info("created the admin account %r from CHAT_ADMIN_USER", made[0])
     ENGINES.launch()
+    LOGINS.start_sweeping()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
     SETTLING.add(task := asyncio.create_task(settle_after_start()))  # referenced till done
     task.add_done_callback(SETTLING.discard)
@@ -180,11 +196,9 @@ async def metrics() -> Response:
     return Response(generate_latest(METRICS), media_type=CONTENT_TYPE_LATEST)
 
 
-# Chainlit registers a catch-all GET route for its UI before app.py is imported; put ours
-# first so they are reachable.
-OWN_ROUTES = {"/ready", "/notice", "/metrics"}
-http.router.routes.sort(key=lambda route: not (getattr(route, "path", "") in OWN_ROUTES or
-                                               getattr(route, "path", "").startswith("/v1/")))
+# Chainlit registers its routes (a catch-all GET among them) before app.py is imported; put
+# the app's first, so that they are reachable and answer in place of Chainlit's own.
+http.router.routes.sort(key=lambda route: id(route) in CHAINLIT_ROUTES)
 
 
 def chat_profiles(current_user=None, language=None) -> asyncio.Future:

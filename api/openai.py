@@ -10,13 +10,18 @@ metrics and per-turn log lines (chat/metrics.py). Every request needs a key
 (`Authorization: Bearer ...`): the operator's `CHAT_API_KEY`, or an account's key
 (`python -m store keys add NAME`); keys never reach the log. A client that goes away
 mid-reply aborts its request in the engine. Errors come in OpenAI's shape:
-{"error": {"message", "type", "code"}}.
+{"error": {"message", "type", "code"}}, for every bad input a 4xx (issue 26 found 500s).
+
+A request is read and checked in api/requests.py; a large one is read and fitted in a
+worker thread, and only the newest turns that can fit are tokenized (engine/history.py), so
+it does not stall other users' streams (bench/big_request.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -25,24 +30,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from chat.input import check_message
+from api.requests import ApiError, read_body
 from chat.metrics import TurnMetrics, TurnRecord
-from engine import Busy, ChatError, ConfigError, Engines, Message, Profile, TurnStats
+from engine import Busy, ChatError, ConfigError, Engines, Profile, Prompt, TurnStats
 from engine.config import Config
 
-ROLES = ("system", "user", "assistant")
+log = logging.getLogger("api")
+
 DISCONNECT_POLL_S = 0.5
+INLINE_BYTES = 64 * 1024  # larger requests are read and fitted in a worker thread
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind,
-                                       "code": self.code}}, status_code=self.status)
+async def off_the_loop(size: int, work, *args):
+    """`work(*args)`, in a worker thread for a large request: reading and fitting a
+    history of megabytes on the event loop stalled every user's stream (issue 26)."""
+    if size <= INLINE_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 def refusal(exc: ChatError) -> ApiError:
@@ -81,19 +85,22 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         try:
             user = await self.caller(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise ApiError(400, "The request body is not JSON.") from None
-            profile, turn = self.read(body)
+            raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
+            profile, turn = await off_the_loop(len(raw), read_body, raw, self.config)
         except ApiError as exc:
             return exc.response()
         record = TurnRecord("failed", user, profile.name, message=turn["new"].content)
         self.turns.begin(profile.name)
         call = Call(self, request, profile, turn, record)
-        if body.get("stream"):
-            return await call.streamed(bool((body.get("stream_options") or {}).get(
-                "include_usage")))
+        try:
+            call.prompt = await off_the_loop(len(raw), call.fit)
+        except ChatError as exc:  # too long for the context, the engine not serving
+            call.end("refused")
+            return refusal(exc).response()
+        except Exception:
+            return call.failed()
+        if turn["stream"]:
+            return await call.streamed(turn["include_usage"])
         return await call.whole()
 
     async def caller(self, request: Request) -> str:
@@ -110,87 +117,31 @@ class OpenAIApi:
         raise ApiError(401, "A valid API key is needed: 'Authorization: Bearer KEY'.",
                        "authentication_error", "invalid_api_key")
 
-    def read(self, body) -> tuple[Profile, dict]:
-        """The request checked against the profile's limits: (profile, the turn's parts)."""
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        names = [p.name for p in self.config.profiles]
-        if body.get("model") not in names:
-            raise ApiError(404, f"Unknown model {body.get('model')!r}; this server has: "
-                           f"{', '.join(names)}.", code="model_not_found")
-        profile = self.config.profile(body["model"])
-        limits, sampling = profile.limits, profile.sampling
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "Only n=1 is supported.")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list.")
-        system, history = [], []
-        for n, item in enumerate(messages):
-            role = item.get("role") if isinstance(item, dict) else None
-            if role not in ROLES:
-                raise ApiError(400, f"messages[{n}].role must be one of {', '.join(ROLES)}.")
-            text = content_text(item.get("content"), f"messages[{n}].content")
-            (system if role == "system" else history).append(Message(role, text))
-        if not history or history[-1].role != "user":
-            raise ApiError(400, "The last message must be the user's.")
-        try:
-            new = check_message(history[-1].content, limits.message_chars)
-        except ChatError as exc:
-            raise ApiError(400, str(exc), code="message_refused") from None
-        system_prompt = "\n\n".join(m.content for m in system) or profile.system_prompt
-        if len(system_prompt) > limits.system_prompt_chars:
-            raise ApiError(400, f"The system prompt is {len(system_prompt):,} characters; "
-                           f"{profile.name} takes at most {limits.system_prompt_chars:,}.")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens",
-                                                                sampling.max_tokens))
-        temperature = body.get("temperature", sampling.temperature)
-        top_p = body.get("top_p", sampling.top_p)
-        seed = body.get("seed")
-        within("max_tokens", max_tokens, int, 1, limits.max_tokens, profile)
-        within("temperature", temperature, (int, float), 0, limits.temperature, profile)
-        within("top_p", top_p, (int, float), 0, 1, profile)
-        if seed is not None:
-            within("seed", seed, int, 0, 2**63 - 1, profile)
-        return profile, {"history": history[:-1], "new": Message("user", new.text),
-                         "system_prompt": system_prompt, "max_tokens": max_tokens,
-                         "sampling": {"temperature": float(temperature),
-                                      "top_p": float(top_p), "seed": seed}}
-
-
-def content_text(content, where: str) -> str:
-    """A message's text: a string, or a list of text parts (other kinds are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"{where} must be text (a string or a list of text parts).")
-
-
-def within(name: str, value, kind, lo, hi, profile: Profile) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi:
-        raise ApiError(400, f"'{name}' must be a number from {lo} to {hi} for "
-                       f"{profile.name}, got {value!r}.")
-
-
 class Call:
     """One chat completion: fitted, answered on the profile's engine, counted once."""
 
     def __init__(self, api: OpenAIApi, request: Request, profile: Profile, turn: dict,
                  record: TurnRecord):
         self.api, self.request, self.profile, self.turn = api, request, profile, turn
-        self.record, self.stats = record, None
+        self.record, self.stats, self.prompt = record, None, None
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.reply: list[str] = []
 
+    def fit(self) -> Prompt:
+        return self.api.engines.fit(self.profile.name, self.turn["history"], self.turn["new"],
+                                    system_prompt=self.turn["system_prompt"],
+                                    max_tokens=self.turn["max_tokens"])
+
     def items(self) -> AsyncIterator[str | TurnStats]:
-        prompt = self.api.engines.fit(self.profile.name, self.turn["history"], self.turn["new"],
-                                      system_prompt=self.turn["system_prompt"],
-                                      max_tokens=self.turn["max_tokens"])
-        return self.api.engines.stream(prompt, self.profile.name, ignore_eos=self.api.ignore_eos,
-                                       **self.turn["sampling"])
+        return self.api.engines.stream(self.prompt, self.profile.name,
+                                       ignore_eos=self.api.ignore_eos, **self.turn["sampling"])
+
+    def failed(self) -> Response:
+        """An unexpected error: logged with its trace, counted, answered in words."""
+        log.exception("API request failed")
+        self.end("failed")
+        return ApiError(500, "Something went wrong on our side; it has been logged. "
+                        "Please try again.", "server_error").response()
 
     def end(self, outcome: str) -> None:
         self.record.outcome = outcome
@@ -207,8 +158,7 @@ class Call:
             self.end("stopped")
             return Response(status_code=499)
         except Exception:
-            self.end("failed")
-            raise
+            return self.failed()
         self.end("finished")
         return JSONResponse({
             "id": self.id, "object": "chat.completion", "created": self.created,
@@ -236,6 +186,9 @@ class Call:
             await items.aclose()
             self.end("stopped")
             return Response(status_code=499)
+        except Exception:
+            await items.aclose()
+            return self.failed()
         return StreamingResponse(self.events(first, items, include_usage),
                                  media_type="text/event-stream")
 

@@ -10,7 +10,8 @@ and the UI tells the user). The system prompt and the newest turns are kept; the
 whole turns (a user message and its reply) are dropped until the rest fits. A new message
 that cannot fit even alone is refused with the limit named.
 
-Fitting is arithmetic on the token ids each message keeps once encoded (chat_format.py):
+Fitting is arithmetic on the token ids each message keeps once encoded (chat_format.py),
+and only the newest turns' text is encoded, back to the first that cannot fit:
 the prompt is put together, its exact length checked, and when turns must go, as many as
 cover the excess are dropped and the result checked again, since a template may change
 its pieces where a conversation now starts.
@@ -58,7 +59,7 @@ def fit_history(
     budget = max_model_len - reserve
     history, new = as_messages(history), as_messages([new_message])[0]
     starts = turn_starts(history)
-    drop = 0
+    drop = _cannot_fit(formatter, history, starts, new, budget)
     while True:
         kept = history[starts[drop]:] + [new] if drop < len(starts) else [new]
         messages = formatter.with_system(kept, system_prompt)
@@ -80,6 +81,22 @@ def fit_history(
 def turn_starts(history: Sequence[Message]) -> list[int]:
     """Indexes where turns begin: the first message, and each later user message."""
     return [i for i, m in enumerate(history) if i == 0 or m.role == "user"]
+
+
+def _cannot_fit(formatter: ChatFormatter, history: Sequence[Message], starts: list[int],
+                new: Message, budget: int) -> int:
+    """How many of the oldest turns cannot be kept whatever else: walking back from the
+    newest, the turn whose text alone takes the total over the budget, and every older
+    one. Their text is never encoded, so a history of megabytes costs what fits the
+    context, not its whole size (an API request may carry one: issue 26)."""
+    total = len(formatter.content_ids(new))
+    bounds = starts + [len(history)]
+    for turn in range(len(starts) - 1, -1, -1):
+        total += sum(len(formatter.content_ids(m))
+                     for m in history[bounds[turn]:bounds[turn + 1]])
+        if total > budget:
+            return turn + 1
+    return 0
 
 
 def _more_to_drop(ends: list[int], offset: int, bounds: list[int], drop: int, excess: int) -> int:

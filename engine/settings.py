@@ -100,6 +100,8 @@ SETTINGS = {s.name: s for s in (
             "the log's lines: text, or one JSON object each (a turn's with its fields)"),
     Setting("VCHAT_LOG_MESSAGES", flag, "0",
             "the per-turn log line also holds the user's message and the reply"),
+    Setting("VCHAT_API_MAX_BODY_MB", number(0, above=True), "4",
+            "the largest OpenAI API request body, MB (a 256K-token context of text fits)"),
     Setting("VCHAT_ENGINE", one_of("vllm", "stand-in"), "vllm",
             "benchmarks only: stand-in replaces the model with filler text"),
     Setting("VCHAT_STANDIN_TOKENS_PER_S", number(0, above=True), "1000",

@@ -8,6 +8,7 @@
 #   scripts/gpu_run.sh OUT tune [ARGS...]          bench.tune (preset variants side by side)
 #   scripts/gpu_run.sh OUT compare [ARGS...]       bench.serve_compare (the app against vLLM's
 #                                                  server and the usual Chainlit app, ~5 min)
+#   scripts/gpu_run.sh OUT big-request [ARGS...]   bench.big_request on the shipped engines
 #   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
 #                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
@@ -69,6 +70,12 @@ case "$step" in
     cp bench/results/serve-compare-gpu-h200.json "$out/" 2>/dev/null
     [ "$status" = 0 ] || cp .cache/server-*.log .cache/vllm-server-*.log "$out/" 2>/dev/null
     exit $status ;;
+  big-request)  # the shipped engines (compiled, the file's context): the test sizes unset
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.big_request --out "$out/big-request-gpu-h200.json" "$@" \
+      > "$out/big-request.log" 2>&1
+    status=$?; grep -v '^{' "$out/big-request.log" | tail -12
+    [ "$status" = 0 ] || cp .cache/server-*.log "$out/" 2>/dev/null; exit $status ;;
   two-gpus)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.two_gpus "$@" > "$out/two-gpus.log" 2>&1
     status=$?; tail -40 "$out/two-gpus.log"; cp bench/results/two-gpus* "$out/" 2>/dev/null

@@ -4,7 +4,10 @@
     .venv/bin/python -m store users list
     .venv/bin/python -m store users add NAME [--admin] the password is asked for (or read
                                                        from standard input with --stdin)
-    .venv/bin/python -m store users remove NAME        (and its API keys)
+    .venv/bin/python -m store users remove NAME        (and its chats, API keys, sessions)
+    .venv/bin/python -m store users password NAME      a new password (asked for, or
+                                                       --stdin); every session ends
+    .venv/bin/python -m store users logout NAME        end every session of NAME now
     .venv/bin/python -m store keys add NAME [--label L] a new API key for NAME, shown once
     .venv/bin/python -m store keys list [NAME]
     .venv/bin/python -m store keys revoke ID
@@ -42,15 +45,24 @@ async def run(args) -> str:
             return "\n".join(f"{a.identifier}\t{a.role}\t{a.created_at}" for a in rows) \
                 or "no users"
         if args.action == "add":
-            password = (sys.stdin.readline().rstrip("\n") if args.stdin
-                        else getpass.getpass(f"password for {args.name}: "))
-            account = await accounts.add(args.name, password,
+            account = await accounts.add(args.name, read_password(args),
                                          role="admin" if args.admin else "user")
             return f"added {account.identifier} ({account.role})"
-        await accounts.remove(args.name)
-        return f"removed {args.name}"
+        if args.action == "password":
+            ended = await accounts.set_password(args.name, read_password(args))
+            return f"changed the password of {args.name}; {ended} session(s) ended"
+        if args.action == "logout":
+            ended = await accounts.log_out_everywhere(args.name)
+            return f"{ended} session(s) of {args.name} ended"
+        chats = await accounts.remove(args.name)
+        return f"removed {args.name} and its {chats} chat(s); its sessions ended"
     finally:
         await engine.dispose()
+
+
+def read_password(args) -> str:
+    return (sys.stdin.readline().rstrip("\n") if args.stdin
+            else getpass.getpass(f"password for {args.name}: "))
 
 
 async def keys_command(keys: ApiKeys, args) -> str:
@@ -76,6 +88,10 @@ def main(argv: list[str]) -> int:
     add.add_argument("--admin", action="store_true")
     add.add_argument("--stdin", action="store_true", help="read the password from stdin")
     users.add_parser("remove").add_argument("name")
+    password = users.add_parser("password")
+    password.add_argument("name")
+    password.add_argument("--stdin", action="store_true", help="read the password from stdin")
+    users.add_parser("logout").add_argument("name")
     keys = sub.add_parser("keys").add_subparsers(dest="action", required=True)
     make = keys.add_parser("add")
     make.add_argument("name")

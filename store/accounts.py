@@ -23,11 +23,22 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.sessions import LoginSessions
+
 HASHER = PasswordHasher()
 MIN_PASSWORD_CHARS = 8
 MAX_DELAY_S = 8.0
 ROLES = ("admin", "user")
 _DUMMY_HASH = HASHER.hash(secrets.token_urlsafe(16))
+# What goes with an account (besides its sessions and the account itself), in this order.
+_CHATS_OF = 'SELECT "id" FROM threads WHERE "userIdentifier" = :i'
+_REMOVE_ACCOUNT_DATA = [
+    'DELETE FROM api_keys WHERE "identifier" = :i',
+    f'DELETE FROM feedbacks WHERE "threadId" IN ({_CHATS_OF})',
+    f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
+    f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',
+]
+_REMOVE_THREADS = 'DELETE FROM threads WHERE "userIdentifier" = :i'
 
 
 class AccountError(ValueError):
@@ -105,15 +116,44 @@ class Accounts:
                                               "c": created})
         return Account(identifier, role, created)
 
-    async def remove(self, identifier: str) -> None:
+    async def remove(self, identifier: str) -> int:
+        """The account, its API keys, its login sessions (ended at once: store/sessions.py)
+        and its chats go; how many chats went. The chats go with it so that an account
+        added later under the same name starts with none of them."""
         async with self.engine.begin() as conn:
-            # Its API keys first (SQLite enforces no foreign keys unless told to).
-            await conn.execute(text('DELETE FROM api_keys WHERE "identifier" = :i'),
+            await LoginSessions(self.engine).end_all(identifier, conn)
+            # Its rows in the other tables first (SQLite enforces no foreign keys unless
+            # told to).
+            for sql in _REMOVE_ACCOUNT_DATA:
+                await conn.execute(text(sql), {"i": identifier})
+            chats = (await conn.execute(text(_REMOVE_THREADS), {"i": identifier})).rowcount
+            await conn.execute(text('DELETE FROM users WHERE "identifier" = :i'),
                                {"i": identifier})
             done = await conn.execute(text('DELETE FROM accounts WHERE "identifier" = :i'),
                                       {"i": identifier})
-        if done.rowcount == 0:
-            raise AccountError(f"no user {identifier!r}")
+            if done.rowcount == 0:
+                raise AccountError(f"no user {identifier!r}")  # rolls it all back
+        return chats
+
+    async def set_password(self, identifier: str, password: str) -> int:
+        """A new password; every session of the account ends. How many ended."""
+        if len(password) < MIN_PASSWORD_CHARS:
+            raise AccountError(f"a password needs at least {MIN_PASSWORD_CHARS} characters")
+        hashed = await asyncio.to_thread(HASHER.hash, password)
+        async with self.engine.begin() as conn:
+            done = await conn.execute(text(
+                'UPDATE accounts SET "passwordHash" = :h, "failedLogins" = 0 '
+                'WHERE "identifier" = :i'), {"h": hashed, "i": identifier})
+            if done.rowcount == 0:
+                raise AccountError(f"no user {identifier!r}")
+            return await LoginSessions(self.engine).end_all(identifier, conn)
+
+    async def log_out_everywhere(self, identifier: str) -> int:
+        """End every session of the account; how many ended."""
+        async with self.engine.begin() as conn:
+            if await self._row(conn, identifier) is None:
+                raise AccountError(f"no user {identifier!r}")
+            return await LoginSessions(self.engine).end_all(identifier, conn)
 
     async def list(self) -> list[Account]:
         async with self.engine.connect() as conn:

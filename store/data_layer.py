@@ -1,19 +1,26 @@
-"""Chainlit's SQLAlchemy data layer on store/schema.py's tables, with its traps handled.
+"""Chainlit's data layer (users, chats, their steps and feedback) on store/schema.py's
+tables, written here rather than inherited: Chainlit 2.12's SQLAlchemy layer pasted thread
+ids into its SQL text, and a client picks a new chat's id (issue 26's injection). Every
+statement is fixed text from store/queries.py with its values bound.
 
-- SQLite binds no Python lists or dicts, and Chainlit passes thread and step `tags` (lists)
-  and step `modes` (a dict) as they are: on SQLite they are written as JSON text. JSON
-  columns come back from SQLite as text (thread metadata among them, which the UI and a
-  resumed chat read as a dict): on SQLite they are read back as lists and dicts.
-- Chainlit's `execute_sql` catches every error, logs a warning and returns None, so a failed
-  INSERT loses data without a trace. Here a failed statement is rolled back, logged as an
-  error, counted (`failures`, shown by the app's /ready) and raised. Chainlit writes steps
-  in tasks it does not await, so the app asks `settle(thread_id)` after a turn (in a task
-  of its own: the turn does not wait): it waits for that thread's writes and returns what
+- What Chainlit's layer did and the app relies on is kept: a step or thread written twice
+  keeps the values not given again, thread metadata is merged (a key set to None goes),
+  steps, elements and their deletions wait for the chat's first user message
+  (`queue_until_user_message`), an element is not stored without a storage provider (none
+  is configured: uploads are off).
+- Guarded, where Chainlit's was not: a step's id that is another chat's is refused (a
+  client chooses its messages' ids), a step or element goes only from the session's own
+  chat, a thread's owner never changes, feedback is written and deleted only by the owner
+  of its chat (`upsert_feedback` / `delete_feedback` take the owner: the app's own routes,
+  chat/guard.py, call them).
+- A failed statement is rolled back, logged, counted (`failures`, shown by /ready) and
+  raised (Chainlit's caught everything and only logged). Chainlit writes steps in tasks it
+  does not await, so `settle(thread_id)` waits for a thread's writes and returns what
   failed, to tell the user.
-- Chainlit reads the thread before every step it writes; a thread known to exist is not
-  read again. SQLite gets one connection in WAL mode (store/schema.py's `connect`).
-- Thread times are written in UTC by chat/stalls.py's clock, as the app's messages and
-  steps are (Chainlit writes local time with a "Z").
+- JSON columns are written as JSON text and read back as lists and dicts on both
+  databases; tag lists are TEXT[] on PostgreSQL, JSON text on SQLite. A thread known to
+  exist is not read again before each step (half a turn's statements). Thread times are
+  UTC (chat/stalls.py's clock, as the app's messages and steps).
 """
 
 from __future__ import annotations
@@ -22,33 +29,44 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from typing import Any
 
-from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+from chainlit.context import context
+from chainlit.data.base import BaseDataLayer
+from chainlit.data.utils import queue_until_user_message
+from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, ThreadFilter
+from chainlit.user import PersistedUser, User
 from sqlalchemy import text
 
 from chat.stalls import CLOCK
+from store import queries as q
+from store import rows as rows_
 from store.schema import connect
 
 log = logging.getLogger("store")
 
-# Columns (and the aliases Chainlit reads them under) that hold lists or dicts, which
-# SQLite hands back as text. Not "props": Chainlit decodes that one itself.
-STRUCTURED = {"tags", "thread_tags", "step_tags", "modes", "metadata", "thread_metadata",
-              "step_metadata", "generation", "step_generation", "playerConfig"}
-
-
 KNOWN_THREADS = 50_000  # thread ids remembered as existing (update_thread)
+USER_THREADS = 1000  # a user's chats the sidebar can page through, newest first
+PAGE_MAX = 100  # chats per page at most, whatever a client asks
+SEARCH_CHARS = 200  # a sidebar search's words beyond this are not used
+SESSION_KEY = "session"  # a login's session id in the user's token (chat/logins.py): not stored
 
 
 class StoreError(RuntimeError):
     """A write or read the database refused."""
 
 
-class ChatDataLayer(SQLAlchemyDataLayer):
+def _session_thread() -> str | None:
+    """The chat of the Chainlit session this call runs in, if any."""
+    with contextlib.suppress(Exception):  # no session context (an HTTP request, a test)
+        return context.session.thread_id
+    return None
+
+
+class ChatDataLayer(BaseDataLayer):
     def __init__(self, url: str):
-        super().__init__(conninfo=url, storage_provider=None)
-        self.engine = connect(url)  # not Chainlit's: store/schema.py's, SQLite set up
+        self.engine = connect(url)  # store/schema.py's: SQLite set up
         self.sqlite = url.startswith("sqlite")
         self._threads: set[str] = set()  # threads this process knows exist
         self._users = asyncio.Lock()
@@ -56,74 +74,197 @@ class ChatDataLayer(SQLAlchemyDataLayer):
         self.last_failure: str | None = None
         self._writes: dict[str, set[asyncio.Task]] = {}  # thread id -> writes under way
         self._failed: dict[str, list[str]] = {}  # thread id -> what failed, not yet told
+        self._told_no_storage = False
 
-    async def execute_sql(self, query: str, parameters: dict) -> list[dict[str, Any]] | int:
-        if self.sqlite:
-            parameters = {k: json.dumps(v) if isinstance(v, (list, dict)) else v
-                          for k, v in parameters.items()}
+    # -- running statements -------------------------------------------------------------
+
+    async def execute_sql(self, query: str | list[str], parameters: dict
+                          ) -> list[dict[str, Any]] | int:
+        """One statement (rows, or the rows it changed), or several in one transaction."""
+        statements = query if isinstance(query, list) else [query]
         try:
             async with self.engine.begin() as conn:  # rolled back if anything fails
-                result = await conn.execute(text(query), parameters)
+                for sql in statements:
+                    result = await conn.execute(text(sql), parameters)
                 rows = [dict(r._mapping) for r in result.fetchall()] if result.returns_rows \
                     else None
         except Exception as exc:
-            self.failures += 1
-            self.last_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            log.error("database statement failed (%s): %s", query.split()[0], self.last_failure)
+            self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                       statements[0].split()[0])
             raise StoreError(self.last_failure) from exc
-        return result.rowcount if rows is None else self.clean_result(rows)
+        return result.rowcount if rows is None else [rows_.decoded(r) for r in rows]
 
-    async def update_thread(self, thread_id: str, name: str | None = None,
-                            user_id: str | None = None, metadata: dict | None = None,
-                            tags: list[str] | None = None) -> None:
-        """Chainlit calls this before every step it writes, only to be sure the thread
-        exists (a read, and an insert the first time): for a thread written here before,
-        that call is skipped, which halves a turn's statements."""
-        if thread_id in self._threads and (name, user_id, metadata, tags) == (None,) * 4:
-            return
-        await super().update_thread(thread_id, name, user_id, metadata, tags)
-        if len(self._threads) >= KNOWN_THREADS:
-            self._threads.clear()  # re-read once each
-        self._threads.add(thread_id)
+    def _fail(self, what: str, statement: str = "write") -> None:
+        self.failures += 1
+        self.last_failure = what
+        log.error("database statement failed (%s): %s", statement, what)
 
-    async def create_user(self, user):
-        """Chainlit reads, then inserts the user of each login: two first logins at once
-        both inserted, and one failed (bench/burst.py's 256 sessions found it). One at a
-        time here; logins are few. (Two app processes on one database can still race.)"""
-        async with self._users:
-            return await super().create_user(user)
-
-    async def delete_thread(self, thread_id: str) -> None:
-        self._threads.discard(thread_id)
-        await super().delete_thread(thread_id)
-
-    def clean_result(self, obj):
-        obj = super().clean_result(obj)
-        if self.sqlite and isinstance(obj, list):
-            for row in obj:
-                for key in STRUCTURED & row.keys():
-                    if isinstance(row[key], str):
-                        with contextlib.suppress(ValueError):  # not JSON: as it was
-                            row[key] = json.loads(row[key])
-        return obj
+    def _refuse(self, what: str) -> None:
+        self._fail(what)
+        raise StoreError(what)
 
     async def get_current_timestamp(self) -> str:
         return CLOCK.utc_now()  # the same UTC clock as the app's messages and steps
 
-    async def create_step(self, step_dict) -> None:
+    async def build_debug_url(self) -> str:
+        return ""
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    async def healthy(self) -> bool:
+        try:
+            await self.execute_sql(q.HEALTH, {})
+            return True
+        except StoreError:
+            return False
+
+    # -- users ------------------------------------------------------------------------
+
+    async def get_user(self, identifier: str) -> PersistedUser | None:
+        rows = await self.execute_sql(q.USER_BY_IDENTIFIER, {"identifier": identifier})
+        if not rows:
+            return None
+        row = rows[0]
+        return PersistedUser(id=row["id"], identifier=row["identifier"],
+                             createdAt=row["createdAt"], metadata=row["metadata"] or {})
+
+    async def create_user(self, user: User) -> PersistedUser | None:
+        """Chainlit reads, then inserts the user of each login: two first logins at once
+        both inserted, and one failed (bench/burst.py's 256 sessions found it). One at a
+        time here; logins are few. A login's session id is the token's, never stored."""
+        metadata = json.dumps({k: v for k, v in (user.metadata or {}).items()
+                               if k != SESSION_KEY})
+        async with self._users:
+            if await self.get_user(user.identifier) is None:
+                await self.execute_sql(q.USER_INSERT, {
+                    "id": str(uuid.uuid4()), "identifier": user.identifier,
+                    "metadata": metadata, "createdAt": await self.get_current_timestamp()})
+            else:
+                await self.execute_sql(q.USER_UPDATE_METADATA,
+                                       {"identifier": user.identifier, "metadata": metadata})
+            return await self.get_user(user.identifier)
+
+    # -- threads ----------------------------------------------------------------------
+
+    async def get_thread_author(self, thread_id: str) -> str:
+        """The chat's owner, or "" when there is no such chat (Chainlit answers 404)."""
+        if not rows_.is_uuid(thread_id):
+            return ""
+        rows = await self.execute_sql(q.THREAD_AUTHOR, {"id": thread_id})
+        return (rows[0]["userIdentifier"] or "") if rows else ""
+
+    async def update_thread(self, thread_id: str, name: str | None = None,
+                            user_id: str | None = None, metadata: dict | None = None,
+                            tags: list[str] | None = None) -> None:
+        """Create or change a chat. Chainlit calls this before every step it writes, only
+        to be sure the thread exists: for a thread written here before, that call is
+        skipped. Its owner, once set, stays."""
+        asked = (name, user_id, metadata, tags) != (None,) * 4
+        if thread_id in self._threads and not asked:
+            return
+        rows = await self.execute_sql(q.THREAD_METADATA, {"id": thread_id})
+        if rows and not asked:
+            self._know(thread_id)
+            return
+        stored = (rows[0]["metadata"] if rows else None) or {}
+        stored = stored if isinstance(stored, dict) else {}
+        given = metadata or {}
+        merged = {**{k: v for k, v in stored.items() if k not in given},
+                  **{k: v for k, v in given.items() if v is not None}}
+        identifier = None
+        if user_id:
+            found = await self.execute_sql(q.USER_IDENTIFIER_BY_ID, {"id": user_id})
+            identifier = found[0]["identifier"] if found else None
+        await self.execute_sql(q.THREAD_UPSERT, rows_.bound(self.sqlite, {
+            "id": thread_id, "createdAt": None if rows else await self.get_current_timestamp(),
+            "name": name if name is not None else (merged.get("name") if metadata else None),
+            "userId": user_id, "userIdentifier": identifier, "tags": tags,
+            "metadata": merged}))
+        self._know(thread_id)
+
+    def _know(self, thread_id: str) -> None:
+        if len(self._threads) >= KNOWN_THREADS:
+            self._threads.clear()  # re-read once each
+        self._threads.add(thread_id)
+
+    async def get_thread(self, thread_id: str) -> dict | None:
+        if not isinstance(thread_id, str):
+            return None
+        rows = await self.execute_sql(q.THREAD_BY_ID, {"id": thread_id})
+        if not rows:
+            return None
+        steps = await self.execute_sql(q.STEPS_OF_THREAD, {"thread_id": thread_id})
+        elements = await self.execute_sql(q.ELEMENTS_OF_THREAD, {"thread_id": thread_id})
+        return {**rows_.thread(rows[0]), "steps": [rows_.step(s) for s in steps],
+                "elements": [dict(e) for e in elements]}
+
+    async def list_threads(self, pagination: Pagination, filters: ThreadFilter
+                           ) -> PaginatedResponse:
+        """A page of the user's own chats, newest activity first, optionally those whose
+        messages contain the search words or that have a feedback of the given value.
+        (The sidebar reads a chat's steps when it opens it: a page holds none.)"""
+        if not filters.userId:
+            raise ValueError("userId is required")
+        words = (filters.search or "").strip()[:SEARCH_CHARS]
+        rows = await self.execute_sql(q.THREADS_OF_USER, {
+            "user_id": filters.userId, "search": rows_.like(words) if words else None,
+            "feedback": None if filters.feedback is None else int(filters.feedback),
+            "limit": USER_THREADS})
+        threads = [rows_.thread(r) for r in rows]
+        start = next((i + 1 for i, t in enumerate(threads) if t["id"] == pagination.cursor), 0)
+        end = start + min(max(pagination.first, 1), PAGE_MAX)
+        page = threads[start:end]
+        return PaginatedResponse(
+            pageInfo=PageInfo(hasNextPage=len(threads) > end,
+                              startCursor=page[0]["id"] if page else None,
+                              endCursor=page[-1]["id"] if page else None),
+            data=page)
+
+    async def delete_thread(self, thread_id: str) -> None:
+        self._threads.discard(thread_id)
+        await self.execute_sql(q.THREAD_DELETE, {"id": thread_id})
+
+    # -- steps ------------------------------------------------------------------------
+
+    @queue_until_user_message()
+    async def create_step(self, step_dict: dict) -> None:
         """Chainlit runs this in a task of its own; the task is tracked per thread."""
         thread_id = step_dict.get("threadId")
         task = asyncio.current_task()
         if thread_id and task is not None:
             self._writes.setdefault(thread_id, set()).add(task)
         try:
-            await super().create_step(step_dict)
+            try:
+                row = rows_.step_row(step_dict, self.sqlite)
+            except ValueError as exc:
+                self._refuse(str(exc))
+            await self.update_thread(thread_id)
+            if await self.execute_sql(q.STEP_UPSERT, row) == 0:
+                self._refuse(f"step {row['id']!r} belongs to another chat: not written")
         except Exception as exc:
             self._failed.setdefault(thread_id, []).append(str(exc))
             raise
         finally:
             if thread_id and task is not None:
                 self._writes.get(thread_id, set()).discard(task)
+
+    @queue_until_user_message()
+    async def update_step(self, step_dict: dict) -> None:
+        await self.create_step(step_dict)
+
+    @queue_until_user_message()
+    async def delete_step(self, step_id: str, thread_id: str | None = None) -> None:
+        """Only from the session's own chat (a client chooses its messages' ids)."""
+        thread_id = thread_id or _session_thread()
+        if thread_id is None:
+            self._refuse(f"step {step_id!r}: no chat to delete it from")
+        await self.execute_sql(q.STEP_DELETE, {"id": step_id, "thread_id": thread_id})
+
+    async def get_favorite_steps(self, user_id: str) -> list[dict]:
+        rows = await self.execute_sql(q.STEPS_OF_USER, {"user_id": user_id})
+        return [rows_.step(r) for r in rows
+                if isinstance(r.get("metadata"), dict) and r["metadata"].get("favorite")]
 
     async def settle(self, thread_id: str) -> list[str]:
         """Wait for the thread's writes under way; what failed since the last call."""
@@ -132,9 +273,42 @@ class ChatDataLayer(SQLAlchemyDataLayer):
             await asyncio.gather(*pending, return_exceptions=True)
         return self._failed.pop(thread_id, [])
 
-    async def healthy(self) -> bool:
-        try:
-            await self.execute_sql("SELECT 1", {})
-            return True
-        except StoreError:
+    # -- feedback ---------------------------------------------------------------------
+
+    async def upsert_feedback(self, feedback: Feedback, owner: str | None = None
+                              ) -> str | None:
+        """The feedback's id, or None when its step is not in a chat of `owner` (or its id
+        is another step's feedback): nothing is written then."""
+        if owner is None:
+            return None  # Chainlit's own route would write for anyone: the app's routes call
+        feedback_id = feedback.id or str(uuid.uuid4())
+        written = await self.execute_sql(q.FEEDBACK_UPSERT, {
+            "id": feedback_id, "for_id": feedback.forId, "owner": owner,
+            "value": int(feedback.value), "comment": feedback.comment})
+        return feedback_id if written else None
+
+    async def delete_feedback(self, feedback_id: str, owner: str | None = None) -> bool:
+        if owner is None:
             return False
+        return bool(await self.execute_sql(q.FEEDBACK_DELETE, {"id": feedback_id,
+                                                               "owner": owner}))
+
+    # -- elements (files; none are stored without a storage provider) ------------------
+
+    @queue_until_user_message()
+    async def create_element(self, element) -> None:
+        if not self._told_no_storage:
+            self._told_no_storage = True
+            log.warning("no file storage is configured: elements are shown, not stored")
+
+    async def get_element(self, thread_id: str, element_id: str) -> dict | None:
+        rows = await self.execute_sql(q.ELEMENT_BY_ID, {"thread_id": thread_id,
+                                                        "id": element_id})
+        return rows[0] if rows else None
+
+    @queue_until_user_message()
+    async def delete_element(self, element_id: str, thread_id: str | None = None) -> None:
+        thread_id = thread_id or _session_thread()
+        if thread_id is not None:
+            await self.execute_sql(q.ELEMENT_DELETE, {"id": element_id, "thread_id": thread_id})
+

@@ -103,6 +103,12 @@ def migrations(postgres: bool) -> list[list[str]]:
             "id" TEXT PRIMARY KEY, "keyHash" TEXT NOT NULL UNIQUE,
             "identifier" TEXT NOT NULL REFERENCES accounts ("identifier") ON DELETE CASCADE,
             "label" TEXT, "createdAt" TEXT NOT NULL)"""],
+        # 3: login sessions (store/sessions.py): a token is good while its session is live.
+        ["""CREATE TABLE login_sessions (
+            "id" TEXT PRIMARY KEY, "identifier" TEXT NOT NULL,
+            "createdAt" DOUBLE PRECISION NOT NULL, "expiresAt" DOUBLE PRECISION NOT NULL,
+            "endedAt" DOUBLE PRECISION)""",
+         'CREATE INDEX login_sessions_by_account ON login_sessions ("identifier")'],
     ]
 
 

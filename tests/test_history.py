@@ -212,4 +212,25 @@ def test_each_message_is_encoded_once(fmt, monkeypatch):
     history += [first, Message("assistant", "a reply")]  # as the session records the turn
     fit_history(fmt, history, Message("user", "second"), system_prompt=system,
                 max_model_len=8192, max_tokens=256)
-    assert encoded == ["a reply", "second"]
+    assert sorted(encoded) == ["a reply", "second"]
+
+
+def test_a_history_far_over_the_context_encodes_only_the_turns_that_could_fit(fmt, monkeypatch):
+    """Regression (issue 26): an API request's 40 MB history was encoded whole on the event
+    loop, stalling every user's stream for seconds. Turns older than the first one that
+    cannot fit are never encoded, and the result is the same as fitting them all."""
+    encoded = []
+    real = fmt._encode
+    monkeypatch.setattr(fmt, "_encode", lambda text, special: (
+        encoded.append(text) if not special else None, real(text, special))[1])
+    history = [Message(role, f"{role} message {n}: " + "words " * 50)
+               for n in range(2000) for role in ("user", "assistant")]
+    prompt = fit_history(fmt, history, Message("user", "the new one"), system_prompt="",
+                         max_model_len=2048, max_tokens=256)
+    kept = len(prompt.messages) - 1
+    assert prompt.dropped_turns == 2000 - kept // 2 and prompt.prompt_tokens <= 2048 - 256
+    # The kept turns, and a few more whose text fits but not with the template's pieces
+    # between messages (the walk counts text only, so it never drops a turn that fits).
+    assert len(encoded) <= 2 * kept < 100, len(encoded)
+    newest = history[-kept:] + [Message("user", "the new one")]
+    assert prompt.token_ids == fmt.assemble(newest)[0]

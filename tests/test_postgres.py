@@ -13,6 +13,7 @@ from sqlalchemy import inspect, text
 from store.accounts import Accounts
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
+from tests.test_store import hostile_round
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
 from tools.postgres import Postgres, binaries
 
@@ -89,6 +90,20 @@ async def test_chainlits_layer_round_trips_and_reports_failures_on_postgresql(db
         await accounts.add("bob", "a long enough password")
         assert (await accounts.verify("bob", "a long enough password")).identifier == "bob"
         assert await accounts.verify("bob", "wrong") is None
+    finally:
+        await layer.engine.dispose()
+
+
+async def test_hostile_values_reach_no_statements_text_and_no_other_account_on_postgresql(
+        db_url):
+    from store.data_layer import ChatDataLayer
+
+    engine = connect(db_url)
+    await migrate(engine)
+    await engine.dispose()
+    layer = ChatDataLayer(db_url)
+    try:
+        await hostile_round(layer)
     finally:
         await layer.engine.dispose()
 

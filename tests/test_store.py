@@ -293,3 +293,68 @@ async def test_the_first_admin_comes_from_the_environment_or_is_generated_once(e
     given = {"CHAT_ADMIN_USER": "root", "CHAT_ADMIN_PASSWORD": "a long given secret"}
     assert await first_admin(accounts, env=given) == ("root", None)
     assert (await accounts.verify("root", "a long given secret")).role == "admin"
+
+
+CRAFTED = "x') OR (SELECT COUNT(*) FROM accounts) > 0 --"
+
+
+async def hostile_round(layer) -> None:
+    """Another account's ids and crafted text through every method of the data layer:
+    nothing of alice's is read, changed or deleted by mallory's calls, and every statement
+    run is one of store/queries.py's fixed texts, no value pasted in (issue 26). Shared
+    with tests/test_postgres.py."""
+    import uuid
+
+    from chainlit.types import Feedback, Pagination, ThreadFilter
+    from chainlit.user import User
+    from sqlalchemy import event
+
+    from store import queries
+    from store.data_layer import StoreError
+
+    init_http_context()
+    alice = await layer.create_user(User(identifier="alice", metadata={"session": "s-1"}))
+    mallory = await layer.create_user(User(identifier="mallory", metadata={}))
+    assert alice.metadata == {}, "a login's session id is never stored with the user"
+    run = []
+    event.listen(layer.engine.sync_engine, "before_execute",
+                 lambda conn, clause, *rest: run.append(getattr(clause, "text", str(clause))))
+    theirs, mine = str(uuid.uuid4()), CRAFTED
+    await layer.update_thread(theirs, name="Alice's chat", user_id=alice.id)
+    said = Message(content="alice's secret: heliotrope", type="user_message")
+    said.thread_id = theirs
+    await layer.create_step(said.to_dict())
+    fid = await layer.upsert_feedback(Feedback(forId=said.id, value=1), owner="alice")
+    await layer.update_thread(mine, name="Mallory's", user_id=mallory.id, tags=[CRAFTED])
+    forged = Message(content="overwritten", type="user_message")
+    forged.thread_id, forged.id = mine, said.id  # alice's message's id, in mallory's chat
+    with pytest.raises(StoreError, match="another chat"):
+        await layer.create_step(forged.to_dict())
+    await layer.delete_step(said.id, thread_id=mine)
+    await layer.update_thread(theirs, name="pwned", user_id=mallory.id)
+    assert await layer.upsert_feedback(Feedback(forId=said.id, value=0), owner="mallory") \
+        is None
+    assert await layer.upsert_feedback(Feedback(forId=said.id, value=0, id=fid),
+                                       owner="mallory") is None
+    assert await layer.delete_feedback(fid, owner="mallory") is False
+    for words in (CRAFTED, "heliotrope", "%", "_"):
+        found = await layer.list_threads(Pagination(first=20),
+                                         ThreadFilter(userId=mallory.id, search=words))
+        assert theirs not in [t["id"] for t in found.data], words
+    listed = await layer.list_threads(Pagination(first=20, cursor="' OR 1=1 --"),
+                                      ThreadFilter(userId=mallory.id))
+    assert [t["id"] for t in listed.data] == [mine]
+    assert await layer.get_thread_author(CRAFTED) == "", "not a chat id: no such chat"
+    assert await layer.get_thread(str(uuid.uuid4())) is None
+    stored = await layer.get_thread(theirs)
+    assert stored["userIdentifier"] == "alice", "the owner never changes"
+    assert [(s["id"], s["output"]) for s in stored["steps"]] == [(said.id, said.content)]
+    assert stored["steps"][0]["feedback"]["value"] == 1
+    assert (await layer.get_thread(mine))["tags"] == [CRAFTED], "stored as data"
+    await layer.delete_thread(mine)
+    assert run and set(run) <= queries.ALL, set(run) - queries.ALL
+    assert not any(CRAFTED in sql or "heliotrope" in sql for sql in run)
+
+
+async def test_hostile_values_reach_no_statements_text_and_no_other_account(layer):
+    await hostile_round(layer)
