@@ -54,6 +54,7 @@ class Preset:
     vllm_gpu: dict = field(default_factory=dict)  # on top of `vllm` on a GPU
     remote: Remote | None = None  # its model runs on that server, not in this process
     gpus: tuple[int, ...] = ()  # the GPUs its engine runs on; () for the first it needs
+    priority: int = 0  # on an engine shared with other presets: lower is served first
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
@@ -101,6 +102,9 @@ class Profile:
     default: bool = False
 
 
+ENGINE_LAYOUTS = ("auto", "shared", "per-preset")
+
+
 @dataclass(frozen=True)
 class Config:
     source: str
@@ -109,6 +113,7 @@ class Config:
     memory: Memory
     presets: dict[str, Preset]
     profiles: tuple[Profile, ...]
+    engines: str = "auto"  # one of ENGINE_LAYOUTS (engine/launch.py, engine_groups)
 
     def profile(self, name: str) -> Profile:
         for profile in self.profiles:
@@ -160,7 +165,7 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
     except yaml.YAMLError as exc:
         raise ConfigError(source, "(file)", f"not valid YAML: {exc}") from None
     raw = check_map(source, "(top level)", raw, required={"presets", "profiles"},
-                    optional={"model", "vllm", "memory"})
+                    optional={"model", "vllm", "memory", "engines"})
     for name, spec in SETTINGS.items():
         value = setting(name, env) if spec.overrides else None
         if value is not None:
@@ -170,6 +175,10 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
 
 def _build(source: str, raw: dict) -> Config:
     model = check_type(source, "model", raw.get("model", "auto"), str)
+    engines = check_type(source, "engines", raw.get("engines", "auto"), str)
+    if engines not in ENGINE_LAYOUTS:
+        raise ConfigError(source, "engines", f"must be one of {', '.join(ENGINE_LAYOUTS)}, "
+                          f"got {engines!r}")
     vllm = check_vllm(source, "vllm", raw.get("vllm") or {})
     mem_raw = check_map(source, "memory", raw.get("memory") or {},
                         optional={f.name for f in dataclasses.fields(Memory)})
@@ -190,14 +199,16 @@ def _build(source: str, raw: dict) -> Config:
             presets[name] = _build_remote_preset(source, where, name, body, queued)
             continue
         body = check_map(source, where, body, required={"memory_share"},
-                         optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus"})
+                         optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus",
+                                   "priority"})
         share = check_number(source, f"{where}.memory_share", body["memory_share"], float,
                              lo=0.0, hi=1.0, lo_open=True)
         presets[name] = Preset(
             name, share, check_vllm(source, f"{where}.vllm", body.get("vllm") or {}),
             check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
             check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
-            gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])))
+            gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])),
+            priority=check_number(source, f"{where}.priority", body.get("priority", 0), int))
 
     profiles = []
     for i, body in enumerate(check_type(source, "profiles", raw["profiles"], list)):
@@ -208,7 +219,7 @@ def _build(source: str, raw: dict) -> Config:
     if len(set(names)) != len(names):
         raise ConfigError(source, "profiles", f"profile names must be unique, got {names}")
 
-    config = Config(source, model, vllm, memory, presets, tuple(profiles))
+    config = Config(source, model, vllm, memory, presets, tuple(profiles), engines)
     _check_placement(config)
     return config
 

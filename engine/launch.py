@@ -16,6 +16,7 @@ from .checks import PARALLEL_SIZES, gpus_for
 from .config import Config, Preset
 from .errors import ConfigError
 from .qwen import has_random_weights
+from .settings import cache_dir
 
 GIB = 1 << 30
 SMALL_CPU_CORES = 4  # at most this many cores: every one of them runs the model
@@ -75,6 +76,71 @@ class EngineSetup:
         return EngineSetup({**self.args, **changes}, self.env)
 
 
+@dataclass(frozen=True)
+class EngineGroup:
+    """The presets that run on one engine: one, or (shared) several by priority."""
+
+    name: str
+    presets: tuple[Preset, ...]
+
+    @property
+    def shared(self) -> bool:
+        return len(self.presets) > 1
+
+
+def shares_engines(config: Config, machine: Machine) -> bool:
+    """`engines: auto` shares one engine between the presets on one GPU (two engines there
+    time-slice it: each stream gets ~0.57x, BENCHMARKS.md "Both profiles at once"); without
+    a GPU each preset keeps its engine (`engines: shared` or `per-preset` decide)."""
+    return config.engines == "shared" or (config.engines == "auto" and machine.gpu)
+
+
+def engine_groups(config: Config, machine: Machine) -> list[EngineGroup]:
+    """Which presets run on which engine. Remote presets are their server's; the local
+    presets on the same GPUs (without a GPU: all of them) share one engine when
+    `shares_engines`, else each has its own."""
+    groups: dict[object, list[Preset]] = {}
+    share = shares_engines(config, machine)
+    for preset in config.used_presets():
+        local = preset.remote is None and share
+        key = ("gpus", config.gpus_of(preset)) if local else ("preset", preset.name)
+        groups.setdefault(key, []).append(preset)
+    out = []
+    for presets in groups.values():
+        presets.sort(key=lambda p: p.priority)
+        out.append(EngineGroup("+".join(p.name for p in presets), tuple(presets)))
+    return out
+
+
+def seats(config: Config, preset: Preset, gpu: bool) -> int:
+    """The turns a preset runs at once: its max_num_seqs (vLLM's default 256 unless set)."""
+    return int({**config.vllm, **preset.options(gpu)}.get("max_num_seqs", 256))
+
+
+def shared_preset(config: Config, group: EngineGroup, gpu: bool) -> Preset:
+    """The one engine of a shared group, as a preset: the highest-priority preset's options
+    (its step budget bounds every step, which is Latency-first's promise), the others' only
+    where it sets nothing; seats for every preset's turns at once (each keeps its own in
+    admission); vLLM's priority scheduling; the presets' memory shares together."""
+    options: dict = {}
+    for preset in reversed(group.presets):
+        options.update(preset.options(gpu))
+    options["max_num_seqs"] = sum(seats(config, p, gpu) for p in group.presets)
+    if "max_num_batched_tokens" in options:  # vLLM: a step holds at least one token a seat
+        options["max_num_batched_tokens"] = max(options["max_num_batched_tokens"],
+                                                options["max_num_seqs"])
+    options["scheduling_policy"] = "priority"
+    share = min(1.0, sum(p.memory_share for p in group.presets))
+    return Preset(group.name, share, vllm=options, gpus=group.presets[0].gpus)
+
+
+def group_setup(config: Config, group: EngineGroup, model: str, machine: Machine,
+                env: Mapping[str, str] | None = None) -> EngineSetup:
+    """The engine of `group` on `machine` (engine_setup for one preset)."""
+    preset = shared_preset(config, group, machine.gpu) if group.shared else group.presets[0]
+    return engine_setup(config, preset, model, machine, env)
+
+
 def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
                  env: Mapping[str, str] | None = None) -> EngineSetup:
     """One preset's engine on `machine`: profiles.yaml's options (the preset's `vllm_cpu` on
@@ -95,10 +161,18 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
         # modules, whose lazy attributes break torch.compile's cache pickling there
         # (KeyError: 'torch'). Spawned, the process starts clean (llm.neutral_main).
         return EngineSetup(args, {"VLLM_WORKER_MULTIPROC_METHOD": env.get(
-            "VLLM_WORKER_MULTIPROC_METHOD", "spawn"), **devices})
+            "VLLM_WORKER_MULTIPROC_METHOD", "spawn"), **compile_caches(env), **devices})
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
                                         * GIB)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))
+
+
+def compile_caches(env: Mapping[str, str]) -> dict[str, str]:
+    """Triton's JIT kernels and vLLM's torch.compile artefacts in the cache folder, so a
+    restart (or a second engine) reuses them; an operator's own setting wins."""
+    root = cache_dir(env)
+    wanted = {"TRITON_CACHE_DIR": root / "triton", "VLLM_CACHE_ROOT": root / "vllm"}
+    return {name: str(path) for name, path in wanted.items() if not env.get(name)}
 
 
 def check_parallelism(preset: str, args: dict, machine: Machine) -> None:

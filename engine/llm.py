@@ -136,6 +136,16 @@ class PresetEngine:
     def cache_config(self):
         return self._require().vllm_config.cache_config
 
+    @property
+    def kv_tokens(self) -> int:
+        """The tokens this engine's KV cache holds (its blocks, as vLLM sized them)."""
+        config = self.cache_config
+        return int(config.num_gpu_blocks or 0) * config.block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
     async def check_health(self) -> bool:
         if self._llm is None:
             return False
@@ -162,9 +172,11 @@ class PresetEngine:
     # -- turns -------------------------------------------------------------------------
 
     async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
-                     ignore_eos: bool = False, seed: int | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
+                     ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
+                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
+        """Yield text deltas, then one TurnStats. Leaving early aborts the request.
+        `priority`: the turn's class on an engine with priority scheduling (lower first);
+        `preset`: whose turn it is on a shared engine (for its stats)."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -180,7 +192,7 @@ class PresetEngine:
         ttft, out_tokens, finish, done = None, 0, "abort", False
         try:
             async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
-                                             params, request_id):
+                                             params, request_id, **self._priority(priority)):
                 completion = output.outputs[0]
                 out_tokens += len(completion.token_ids)
                 if ttft is None and completion.token_ids:
@@ -200,13 +212,44 @@ class PresetEngine:
                     await llm.abort(request_id)
                 log.debug("turn %s preset=%s aborted after %d tokens", request_id,
                           self.preset, out_tokens)
-        stats = TurnStats(request_id, self.preset, prompt.prompt_tokens, out_tokens, ttft,
-                          time.monotonic() - started, finish)
+        stats = TurnStats(request_id, preset or self.preset, prompt.prompt_tokens, out_tokens,
+                          ttft, time.monotonic() - started, finish)
         log.debug("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
                   self.preset, stats.prompt_tokens, stats.output_tokens,
                   f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
                   finish)
         yield stats
+
+
+    def _priority(self, priority: int) -> dict:
+        """vLLM refuses a priority other than 0 unless the engine schedules by priority."""
+        return {"priority": priority} if self.scheduler_config.policy == "priority" else {}
+
+    async def warm_up(self, samplings: list[dict], batches: list[int]) -> int:
+        """Run what the first users' turns will, before anyone waits on it: for each
+        sampling, short turns in batches of each size in `batches` at once (vLLM captured its
+        CUDA graphs at start; what is left to compile on first use is the sampling's own
+        kernels, top-k/top-p's Triton kernel among them, specialised by batch size).
+        Returns the turns run."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._require()
+        prompt = TokensPrompt(prompt_token_ids=self.formatter.prompt_ids(
+            [{"role": "user", "content": "Warm-up."}]))
+
+        async def one(params: SamplingParams, n: int) -> None:
+            async for _ in llm.generate(prompt, params, f"warm-up-{uuid.uuid4().hex}-{n}"):
+                pass
+
+        turns = 0
+        for sampling in samplings:
+            params = SamplingParams(max_tokens=4, ignore_eos=True, seed=None,
+                                    output_kind=RequestOutputKind.FINAL_ONLY, **sampling)
+            for batch in batches:
+                await asyncio.gather(*[one(params, n) for n in range(batch)])
+                turns += batch
+        return turns
 
 
 def check_fits(prompt: Prompt, max_model_len: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from .errors import ChatError
 from .launch import has_cuda
 from .qwen import DUMMY_NAME, build_dummy
-from .settings import setting
+from .settings import cache_dir, setting
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,6 @@ EMBEDDED_NAME = "smollm2-135m-instruct-bf16"
 # Bump when the conversion changes, so old caches are rebuilt rather than trusted.
 CONVERSION_VERSION = 1
 DONE_MARKER = "vchat-prepared.json"
-
-
-def cache_dir() -> Path:
-    """Where prepared models live: $VCHAT_CACHE_DIR, else ~/.cache/vchat."""
-    return Path(setting("VCHAT_CACHE_DIR") or Path.home() / ".cache" / "vchat")
 
 
 def resolve_model(name: str) -> str:

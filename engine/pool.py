@@ -18,14 +18,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from .admission import Admission
+from .admission import Admission, Line
 from .chat_format import Message
 from .config import Config
 from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt, fit_history
-from .launch import EngineSetup, Machine, engine_setup
+from .launch import EngineGroup, EngineSetup, Machine, engine_groups, group_setup, seats
 from .llm import PresetEngine
 from .model import resolve_model
 from .remote import RemoteEngine
@@ -35,6 +36,7 @@ from .stats import TurnStats
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 1.0
+WARM_UP_BATCHES = (1, 4, 16, 64, 256)  # and the seats: batch sizes warmed up on a GPU
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30, 60)  # between restart attempts of a dead engine
 RESTARTING = ("The model for this chat stopped unexpectedly and is being restarted. Please "
               "send your message again in a minute.")
@@ -73,41 +75,80 @@ class Engines:
         self.engine_class = engine_class or engine_kind()
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, PresetEngine] = {}
-        self.admission: dict[str, Admission] = {}
+        self.admission: dict[str, Admission] = {}  # by preset
+        self.groups: dict[str, EngineGroup] = {}  # by engine name
+        self.engine_of: dict[str, str] = {}  # preset -> the name of the engine it runs on
+        self.warm_up_s: dict[str, float] = {}  # by engine name
         self.restarts: dict[str, int] = {}
         self._restarting: dict[str, asyncio.Task] = {}  # presets whose engine is starting again
         self._watchdog: asyncio.Task | None = None
         self._launch: asyncio.Task | None = None
         self.model: str | None = None
         self.gpu: bool | None = None  # whether the engines run on a GPU, once known
+        self.machine: Machine | None = None
         self.state = "stopped"  # stopped -> starting -> ready | failed
 
     async def start(self) -> None:
         """Resolve the model once (off the event loop: a first start converts the embedded
-        model, a hub id is looked up), then start each preset's engine in turn. Remote
-        presets need the model only for its tokenizer, unless they name their own."""
+        model, a hub id is looked up), then start each engine in turn (launch.engine_groups:
+        one per preset, or one shared by the presets on a GPU), warm it up, and put each
+        preset's admission line in front of it. Remote presets need the model only for its
+        tokenizer, unless they name their own."""
         self.state = "starting"
         presets = self.config.used_presets()
         try:
             if any(p.remote is None or p.remote.tokenizer is None for p in presets):
                 self.model = await asyncio.to_thread(resolve_model, self.config.model)
-            machine = await asyncio.to_thread(Machine.here)
+            self.machine = machine = await asyncio.to_thread(Machine.here)
             self.gpu = machine.gpu
-            for preset in presets:
-                engine = RemoteEngine(preset.name, preset.remote, self.model) if preset.remote \
-                    else self.engine_class(preset.name, engine_setup(self.config, preset,
-                                                                     self.model, machine))
-                self.engines[preset.name] = engine
+            for group in engine_groups(self.config, machine):
+                first = group.presets[0]
+                engine = RemoteEngine(first.name, first.remote, self.model) if first.remote \
+                    else self.engine_class(group.name, group_setup(self.config, group,
+                                                                   self.model, machine))
+                self.engines[group.name] = engine
+                self.groups[group.name] = group
                 await engine.start()
-                # Our queue, not vLLM's: at most as many turns inside as it runs at once.
-                self.admission[preset.name] = Admission(engine.max_num_seqs,
-                                                        preset.max_queued_turns)
+                if first.remote is None:
+                    await self._warm_up(group, engine, machine)
+                self._admit(group, engine, machine)
         except BaseException:
             self.state = "failed"
             self.shutdown(keep_state=True)
             raise
         self.state = "ready"
         self._watchdog = asyncio.ensure_future(self._watch())
+
+    def _admit(self, group: EngineGroup, engine, machine: Machine) -> None:
+        """Our lines, not vLLM's: each preset at most its seats inside, all of them within
+        the engine's KV cache; a preset keeps room in it for the lower ones' turns not to
+        take (its seats x twice its longest default reply, about a prompt and a reply)."""
+        line = Line(getattr(engine, "kv_tokens", None), getattr(engine, "block_size", 1))
+        for preset in group.presets:
+            running = seats(self.config, preset, machine.gpu) if group.shared \
+                else engine.max_num_seqs
+            replies = [p.sampling.max_tokens for p in self.config.profiles
+                       if p.preset == preset.name]
+            self.admission[preset.name] = Admission(
+                running, preset.max_queued_turns, line=line, priority=preset.priority,
+                keep_tokens=running * 2 * max(replies, default=0) if group.shared else 0)
+            self.engine_of[preset.name] = group.name
+
+    async def _warm_up(self, group: EngineGroup, engine, machine: Machine) -> None:
+        """Before /ready: the profiles' sampling in batches up to the seats (on a GPU; on a
+        CPU one short turn each, as there is nothing to compile)."""
+        started = time.monotonic()
+        samplings = list({(p.sampling.temperature, p.sampling.top_p): None
+                          for p in self.config.profiles
+                          if p.preset in {q.name for q in group.presets}})
+        top = engine.max_num_seqs
+        batches = sorted({b for b in WARM_UP_BATCHES if b < top} | {top}) if machine.gpu \
+            else [1]
+        turns = await engine.warm_up([{"temperature": t, "top_p": p} for t, p in samplings],
+                                     batches)
+        self.warm_up_s[group.name] = time.monotonic() - started
+        log.info("Engine %r warmed up: %d turns in %.1f s", group.name, turns,
+                 self.warm_up_s[group.name])
 
     def launch(self) -> None:
         """Start in the background, so a server answers while the engines load; `ready()`
@@ -148,6 +189,7 @@ class Engines:
             engine = self.engine_class(name, dead.setup)
             try:
                 await engine.start()
+                await self._warm_up(self.groups[name], engine, self.machine)
             except Exception:
                 log.exception("Restart %d of engine %r failed; next try in %s s", attempt,
                               name, _backoff(attempt))
@@ -172,6 +214,7 @@ class Engines:
             engine.shutdown()
         self.engines.clear()
         self.admission.clear()
+        self.engine_of.clear()
         if not keep_state:
             self.state = "stopped"
 
@@ -181,10 +224,10 @@ class Engines:
         return set(self._restarting)
 
     def for_profile(self, profile: str) -> PresetEngine:
-        preset = self.config.profile(profile).preset
-        if preset in self._restarting:
+        name = self.engine_of.get(self.config.profile(profile).preset)
+        if name in self._restarting:
             raise Unavailable(RESTARTING)
-        engine = self.engines.get(preset)
+        engine = self.engines.get(name)
         if engine is None or not engine.running:
             raise Unavailable(f"The engine for {profile!r} is {self.state}.")
         return engine
@@ -207,10 +250,19 @@ class Engines:
                 "prefix_cache_hit_rate": engine.step_stats.cache_hit_rate,
                 "preempted": engine.step_stats.preempted,
             }
-            gate = self.admission.get(name)
-            if gate is not None:
-                engines[name].update(admitted=gate.inside, queued=gate.waiting,
-                                     max_admitted=gate.running, max_queued=gate.queued)
+            lines = {p.name: self.admission[p.name] for p in self.groups[name].presets
+                     if p.name in self.admission}
+            engines[name].update(
+                admitted=sum(g.inside for g in lines.values()),
+                queued=sum(g.waiting for g in lines.values()),
+                max_admitted=sum(g.running for g in lines.values()),
+                max_queued=sum(g.queued for g in lines.values()),
+                kv_tokens=next((g.line.kv_tokens for g in lines.values()), None),
+                kv_held=next((g.line.held for g in lines.values()), 0),
+                warm_up_s=self.warm_up_s.get(name),
+                presets={p: {"priority": g.priority, "admitted": g.inside, "queued": g.waiting,
+                             "seats": g.running, "kv_held": g.held}
+                         for p, g in lines.items()})
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
         unreachable = [n for n, e in engines.items() if e["remote"] and not e["healthy"]]
@@ -248,7 +300,10 @@ class Engines:
         self.for_profile(profile)  # not running (starting, restarting): refused before queueing
         sampling = {"temperature": prof.sampling.temperature, "top_p": prof.sampling.top_p,
                     **sampling}
-        async with self.admission[prof.preset].slot(on_queued):
+        gate = self.admission[prof.preset]
+        if self.groups[self.engine_of[prof.preset]].shared:
+            sampling.update(priority=gate.priority, preset=prof.preset)
+        async with gate.slot(on_queued, tokens=prompt.prompt_tokens + prompt.max_tokens):
             # Looked up once admitted: the engine may have been restarted while we waited.
             engine = self.for_profile(profile)
             # aclosing: when our caller leaves early, the engine's stream is closed (and its

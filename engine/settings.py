@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -85,8 +86,11 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_GPU_MEMORY", number(0, above=True), None,
             "share of the GPU's memory for all engines together",
             overrides="memory.gpu_memory_utilization"),
-    Setting("VCHAT_CACHE_DIR", text, None, "where the embedded model is prepared "
-            "(default ~/.cache/vchat)"),
+    Setting("VCHAT_CACHE_DIR", text, None, "where the embedded model is prepared and the "
+            "GPU's compiled kernels are kept (default ~/.cache/vchat)"),
+    Setting("VCHAT_ENGINES", one_of("auto", "shared", "per-preset"), None,
+            "one engine for the presets on a GPU (shared), one each (per-preset), or auto: "
+            "shared with a GPU, per-preset without", overrides="engines"),
     Setting("VCHAT_DATA_DIR", text, "data", "the data folder: the chat database (SQLite, "
             "unless DATABASE_URL is set) and the login secret"),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",
@@ -121,3 +125,9 @@ def setting(name: str, env: Mapping[str, str] | None = None):
         return spec.parse(raw)
     except ValueError as exc:
         raise ConfigError("environment", name, f"{exc}, got {raw!r} ({spec.doc})") from None
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where prepared models and compiled kernels live: $VCHAT_CACHE_DIR, else
+    ~/.cache/vchat."""
+    return Path(setting("VCHAT_CACHE_DIR", env) or Path.home() / ".cache" / "vchat")

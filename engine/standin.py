@@ -77,9 +77,15 @@ class StandInEngine:
             raise ChatError(f"The {self.preset} stand-in engine is not running.")
         return self._formatter
 
+    kv_tokens = None  # no cache to count
+    block_size = 1
+
+    async def warm_up(self, samplings: list[dict], batches: list[int]) -> int:
+        return 0  # nothing to compile
+
     async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
-                     ignore_eos: bool = False, seed: int | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
+                     ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
+                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
         (the engine never waits for its readers)."""
@@ -100,5 +106,5 @@ class StandInEngine:
                     ttft = time.monotonic() - started
         finally:
             self._unfinished -= 1
-        yield TurnStats(request_id, self.preset, prompt.prompt_tokens, sent, ttft,
+        yield TurnStats(request_id, preset or self.preset, prompt.prompt_tokens, sent, ttft,
                         time.monotonic() - started, "length")

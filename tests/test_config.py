@@ -1,5 +1,6 @@
 """profiles.yaml validation: every kind of mistake gets one clear message."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from engine import ConfigError, load_config
-from engine.launch import GIB, Machine, cpu_dtype, engine_setup
+from engine.launch import GIB, Machine, cpu_dtype, engine_groups, engine_setup, group_setup
 from engine.settings import SETTINGS, setting
 from tools.chainlit_client import chainlit_command, side_by_side
 
@@ -182,8 +183,15 @@ def test_engine_setup_splits_memory_and_picks_eager_mode_per_device():
     assert all(s.args["enforce_eager"] is False and "kv_cache_memory_bytes" not in s.args
                for s in gpu)
     assert all(s.args["dtype"] == "auto" for s in gpu)
-    # Spawned engine processes (a fork would inherit Chainlit: engine/launch.py).
-    assert all(s.env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} for s in gpu)
+    # Spawned engine processes (a fork would inherit Chainlit: engine/launch.py); compiled
+    # kernels kept in the cache folder for the next start.
+    home = Path.home() / ".cache" / "vchat"
+    assert all(s.env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+                         "TRITON_CACHE_DIR": str(home / "triton"),
+                         "VLLM_CACHE_ROOT": str(home / "vllm")} for s in gpu)
+    mine = engine_setup(config, fast, "/m", GPU, env={"TRITON_CACHE_DIR": "/t",
+                                                       "VCHAT_CACHE_DIR": "/c"}).env
+    assert "TRITON_CACHE_DIR" not in mine and mine["VLLM_CACHE_ROOT"] == "/c/vllm"
     assert gpu[0].args["max_num_batched_tokens"] == fast.vllm_gpu["max_num_batched_tokens"]
     assert gpu[1].args["max_num_seqs"] == big.vllm_gpu["max_num_seqs"]
     assert all(s.args["enable_prefix_caching"] for s in gpu)  # the shared `vllm:` part
@@ -192,6 +200,39 @@ def test_engine_setup_splits_memory_and_picks_eager_mode_per_device():
         config.memory.gpu_memory_utilization)
     forced = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENFORCE_EAGER": "0"})
     assert engine_setup(forced, fast, "/m", CPU, env={}).args["enforce_eager"] is False
+
+
+def test_on_one_gpu_the_presets_share_one_engine_by_priority():
+    config = load_config(ROOT / "profiles.yaml", env={})
+    (group,) = engine_groups(config, GPU)
+    assert [p.name for p in group.presets] == ["latency-first", "throughput-first"]
+    args = group_setup(config, group, "/m", GPU, env={}).args
+    fast, big = config.presets["latency-first"], config.presets["throughput-first"]
+    assert args["scheduling_policy"] == "priority"
+    assert args["max_num_seqs"] == fast.vllm_gpu["max_num_seqs"] + big.vllm_gpu["max_num_seqs"]
+    assert args["max_num_batched_tokens"] == fast.vllm_gpu["max_num_batched_tokens"]
+    assert args["gpu_memory_utilization"] == config.memory.gpu_memory_utilization
+    # Without a GPU (auto), or asked for: an engine per preset.
+    assert [g.name for g in engine_groups(config, CPU)] == ["latency-first", "throughput-first"]
+    apart = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENGINES": "per-preset"})
+    assert [len(g.presets) for g in engine_groups(apart, GPU)] == [1, 1]
+    shared = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENGINES": "shared"})
+    assert [len(g.presets) for g in engine_groups(shared, CPU)] == [2]
+    # Presets on GPUs of their own never share.
+    own = dataclasses.replace(config, presets={
+        "latency-first": dataclasses.replace(fast, gpus=(0,)),
+        "throughput-first": dataclasses.replace(big, gpus=(1,))})
+    two = Machine(gpu=True, cores=16, gpus=2)
+    assert [len(g.presets) for g in engine_groups(own, two)] == [1, 1]
+    with pytest.raises(ConfigError, match="engines: must be one of auto, shared, per-preset"):
+        load_config(ROOT / "profiles.yaml", env={}) and _build_with(engines="sometimes")
+
+
+def _build_with(**top):
+    from engine.config import _build
+
+    raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+    return _build("profiles.yaml", {**raw, **top})
 
 
 def test_without_a_gpu_the_dtype_follows_the_cpu_and_profiles_yaml_can_set_it(tmp_path):
