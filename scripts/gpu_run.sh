@@ -13,6 +13,10 @@
 #                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
 #                                                  checkout, its own session), into DIR
+#   scripts/gpu_run.sh DIR profiles-start LAYOUT... [-- ARGS]
+#                                                  bench.profiles (both profiles at once
+#                                                  through the app) for each engine layout
+#                                                  (shared, per-preset), in the background
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
 # Through the device tool: run(command="scripts/gpu_run.sh $OUT tests", carry=[".gpu"]).
 # A bench (~15 min) outlasts one device call (10 min): bench-start it, then `wait` in the
@@ -53,12 +57,22 @@ case "$step" in
       && setsid nohup bash -c "scripts/gpu_run.sh '$out' bench $*; touch '$out/done'" \
         > "$out/bench-start.log" 2>&1 < /dev/null &
     echo "bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
+  profiles-start)  # the shipped app: compiled, the file's context and memory
+    layouts=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do layouts+=("$1"); shift; done
+    [ "${1:-}" = "--" ] && shift
+    rm -rf /tmp/bench-checkout && cp -r . /tmp/bench-checkout && cd /tmp/bench-checkout \
+      && setsid nohup bash -c "for l in ${layouts[*]}; do VCHAT_MODEL=qwen3-4b-dummy \
+        python3 -m bench.profiles --engines \$l --out '$out'/gpu-h200-profiles-\$l.json \
+        --log '$out'/server-\$l.log $* 2>&1 | grep -v 'Unclosed\|client_session'; done \
+        >> '$out/bench.log'; touch '$out/done'" > "$out/bench-start.log" 2>&1 < /dev/null &
+    echo "profiles bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
   wait)
     dir=${1:?wait DIR [SECONDS]}; limit=${2:-540}; waited=0
     while [ ! -f "$dir/done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
     [ -f "$dir/done" ] && echo "bench finished" || echo "bench still running after ${waited} s"
     tail -c 3000 "$dir/bench.log"
-    cp "$dir"/gpu-h200* "$dir"/bench.log "$out/" 2>/dev/null ;;
+    cp "$dir"/gpu-h200* "$dir"/bench.log "$out/" 2>/dev/null
+    [ -f "$dir/done" ] && cp "$dir"/server-*.log "$out/" 2>/dev/null; true ;;
   tune)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.tune --name gpu-h200-tune "$@" > "$out/tune.log" 2>&1
     status=$?; grep -v '^\s*$' "$out/tune.log" | tail -12
