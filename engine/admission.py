@@ -39,8 +39,12 @@ class Line:
     def __init__(self, kv_tokens: int | None = None, block_size: int = 1):
         self.kv_tokens = kv_tokens
         self.block_size = max(1, block_size)
-        self.held = 0  # tokens the turns inside hold
         self.classes: list[Admission] = []  # by priority, highest first
+
+    @property
+    def held(self) -> int:
+        """Tokens the turns inside hold, every class's together."""
+        return sum(g.held for g in self.classes)
 
     def need(self, tokens: int) -> int:
         """A turn's worst case in the cache, in tokens of whole blocks (0 when not counted)."""
@@ -71,10 +75,7 @@ class Line:
         waits for cache holds back the classes below it."""
         for gate in self.classes:
             while gate._queue and gate.inside < gate.running:
-                waiter = gate._queue[0]
-                if waiter.admitted.done():  # withdrawn as it was let in
-                    gate._queue.popleft()
-                    continue
+                waiter = gate._queue[0]  # a withdrawn waiter has left the queue already
                 if not self.fits(gate, waiter.tokens):
                     return
                 gate._queue.popleft()
@@ -91,7 +92,7 @@ class Admission:
         self.line = line or Line()
         self.line.join(self)
         self.inside = 0
-        self.held = 0  # this class's share of line.held
+        self.held = 0  # the cache this class's turns inside hold
         self._queue: collections.deque[_Waiter] = collections.deque()
 
     @property
@@ -127,12 +128,10 @@ class Admission:
     def _enter(self, need: int) -> None:
         self.inside += 1
         self.held += need
-        self.line.held += need
 
     def _leave(self, need: int) -> None:
         self.inside -= 1
         self.held -= need
-        self.line.held -= need
         self.line.admit()
 
     async def _wait(self, on_queued, need: int) -> None:

@@ -220,7 +220,6 @@ class PresetEngine:
                   finish)
         yield stats
 
-
     def _priority(self, priority: int) -> dict:
         """vLLM refuses a priority other than 0 unless the engine schedules by priority."""
         return {"priority": priority} if self.scheduler_config.policy == "priority" else {}

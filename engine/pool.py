@@ -84,8 +84,7 @@ class Engines:
         self._watchdog: asyncio.Task | None = None
         self._launch: asyncio.Task | None = None
         self.model: str | None = None
-        self.gpu: bool | None = None  # whether the engines run on a GPU, once known
-        self.machine: Machine | None = None
+        self.machine: Machine | None = None  # once known
         self.state = "stopped"  # stopped -> starting -> ready | failed
 
     async def start(self) -> None:
@@ -100,7 +99,6 @@ class Engines:
             if any(p.remote is None or p.remote.tokenizer is None for p in presets):
                 self.model = await asyncio.to_thread(resolve_model, self.config.model)
             self.machine = machine = await asyncio.to_thread(Machine.here)
-            self.gpu = machine.gpu
             for group in engine_groups(self.config, machine):
                 first = group.presets[0]
                 engine = RemoteEngine(first.name, first.remote, self.model) if first.remote \
@@ -215,8 +213,14 @@ class Engines:
         self.engines.clear()
         self.admission.clear()
         self.engine_of.clear()
+        self.groups.clear()
         if not keep_state:
             self.state = "stopped"
+
+    @property
+    def gpu(self) -> bool | None:
+        """Whether the engines run on a GPU, once known."""
+        return None if self.machine is None else self.machine.gpu
 
     @property
     def restarting(self) -> set[str]:
