@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test screenshots soak bench bench-compare lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -43,6 +43,12 @@ bench: model
 # Chainlit + vLLM app (bench/serve_compare.py); writes bench/results/serve-compare-cpu.json.
 bench-compare: model
 	$(PY) -m bench.serve_compare $(COMPARE_ARGS)
+
+# Both profiles at once through the app (bench/profiles.py), at the size of a small CPU
+# machine; on a GPU: PROFILES_ARGS="--out bench/results/profiles-gpu.json" (its full size).
+PROFILES_ARGS ?= --cpu-scale --pairs 2 --out bench/results/profiles-cpu.json
+bench-profiles: model
+	$(PY) -m bench.profiles $(PROFILES_ARGS)
 
 # Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
 # where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).

@@ -2,21 +2,26 @@
 the shipped profiles.yaml and sampling, headless socket clients, and the engine layout under
 test (`--engines`: shared, per-preset, or auto as shipped).
 
-On one server, in this order:
-  first burst   right after /ready, 16 Latency-first + 16 Throughput-first sessions ask
-                one 256-token reply each; then the same burst warmed (TTFT p95 ratio)
-  light         pairs: 16 + 16 sessions at once against 32 Throughput-first sessions alone
+On one server, in this order (N: --sessions, 16; replies of --reply tokens, 256):
+  first burst   right after /ready, N Latency-first + N Throughput-first sessions ask one
+                reply each; then the same burst warmed (TTFT p95 ratio)
+  one user      one Latency-first session alone, three replies (tok/s)
+  light         pairs: N + N sessions at once against 2N Throughput-first sessions alone
                 (per-stream tok/s; target: every stream >= 0.85x the alone figure)
-  long prompts  pairs: 16 Latency-first users streaming while 4-8k-token prompts arrive,
-                one every --long-every-s, against the same users alone (update gap p95)
-  saturated     pairs: --load Throughput-first sessions streaming 2,048-token replies,
-                plus 16 + 16 probe sessions, against Throughput-first alone at --load + 16
-                sessions (total tok/s from vLLM's counters; preemptions)
-Replies run to their max tokens (VCHAT_BENCH_IGNORE_EOS). Per stream: TTFT (send to first
-token), tok/s (tokens over first to last token), update gaps (between streamed events).
+  long prompts  pairs: N Latency-first users streaming --lf-reply tokens while prompts of
+                --long-tokens arrive, one every --long-every-s, each in a new chat, against
+                the same users alone (update gap p95)
+  saturated     --load Throughput-first sessions stream --load-reply-token replies all
+                along, each in a new chat, their starts spread over --load-stagger-s; pairs: N Throughput-first probes alone (Throughput-first alone at
+                --load + N sessions) against N + N probes (total tok/s from vLLM's counters
+                over each burst; preemptions over the phase)
+Each phase starts with every engine's seats empty (/ready). Replies run to their max
+tokens (VCHAT_BENCH_IGNORE_EOS). Per stream: TTFT (send to first token), tok/s (tokens over
+first to last token), update gaps (between streamed events). Pairs alternate their order.
 
     VCHAT_MODEL=qwen3-4b-dummy python -m bench.profiles --engines shared --out r.json
-    scripts/gpu_run.sh OUT profiles [ARGS...]     through the device tool
+    scripts/gpu_run.sh DIR profiles-start shared per-preset -- --pairs 3   (the H200)
+    python -m bench.profiles --cpu-scale --engines shared --out r.json      (2 CPU cores)
 """
 
 from __future__ import annotations
@@ -27,53 +32,52 @@ import contextlib
 import json
 import random
 import re
-import statistics
 import time
 
 import httpx
-import numpy as np
+import yaml
 
 from bench.cli import whole_number
-from tools.chainlit_client import ChatClient, Server
+from bench.profile_figures import LF, TF, ratio, stream_figures, summary, targets
+from tools.chainlit_client import ROOT, ChatClient, Server
 
-LF, TF = "Latency-first", "Throughput-first"
 ASK = "Write a long story about a lighthouse keeper."
 WORDS = "the keeper walked up the stairs and looked out over the grey sea".split()
 # The app as shipped: the test suite's small engine settings unset.
 SHIPPED = {"VCHAT_ENFORCE_EAGER": "", "VCHAT_MAX_MODEL_LEN": "", "VCHAT_KV_CACHE_GIB": "",
            "VCHAT_BENCH_IGNORE_EOS": "1"}
+# The same phases at a size 2 CPU cores and the embedded model get through in minutes.
+CPU_SCALE = {"sessions": 3, "reply": 24, "lf_reply": 48, "load": 12, "load_reply": 160,
+             "long_tokens": [600, 1200], "long_every_s": 3.0, "ramp_s": 20.0,
+             "load_stagger_s": 20.0}
 
 
-def pct(values, q):
-    return round(float(np.percentile(values, q)), 4) if values else None
+# Candidates other than the shipped file, for side-by-side runs (--variant).
+VARIANTS = {
+    "priority-only": "the first shared engine (priority and admission by the KV cache, no "
+                     "planned steps: no step_ms; on a GPU one step budget of 8,192 tokens)",
+}
 
 
-def stream_figures(client: ChatClient, start: int, sent: float) -> dict | None:
-    """One reply's TTFT, tok/s and update gaps, from the events after index `start`."""
-    times = [e.at for e in client.events[start:] if e.name in ("stream_start", "stream_token")]
-    reply = client.collect(start, len(client.events)).reply
-    tokens = ((reply or {}).get("metadata") or {}).get("output_tokens")
-    if len(times) < 2 or not tokens:
-        return None
-    return {"ttft_s": times[0] - sent, "tok_s": tokens / max(times[-1] - times[0], 1e-6),
-            "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": tokens}
+def variant_profiles(name: str) -> str:
+    """The shipped profiles.yaml turned into the candidate `name`; its path."""
+    raw = yaml.safe_load((ROOT / "profiles.yaml").read_text())
+    if name == "priority-only":
+        for preset in raw["presets"].values():
+            preset.pop("step_ms", None)
+            if "max_num_batched_tokens" in preset.get("vllm_gpu", {}):
+                preset["vllm_gpu"].update(max_num_batched_tokens=8192,
+                                          long_prefill_token_threshold=0)
+    path = ROOT / ".cache" / f"profiles-{name}.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
 
 
 async def ask(client: ChatClient, text: str = ASK) -> dict | None:
     start, sent = len(client.events), time.monotonic()
     await client.send(text, timeout=900)
     return stream_figures(client, start, sent)
-
-
-def summary(rows: list[dict | None]) -> dict:
-    rows = [r for r in rows if r]
-    gaps = [g for r in rows for g in r["gaps"]]
-    return {"streams": len(rows),
-            "tok_s_median": pct([r["tok_s"] for r in rows], 50),
-            "tok_s_min": pct([r["tok_s"] for r in rows], 0),
-            "ttft_p50_s": pct([r["ttft_s"] for r in rows], 50),
-            "ttft_p95_s": pct([r["ttft_s"] for r in rows], 95),
-            "gap_p95_s": pct(gaps, 95), "gap_max_s": pct(gaps, 100)}
 
 
 async def sessions(url: str, profile: str, n: int, max_tokens: int) -> list[ChatClient]:
@@ -103,24 +107,58 @@ async def counters(url: str) -> dict[str, float]:
     return out
 
 
+async def measured(url: str, work) -> tuple[object, float]:
+    """`work`'s result and the engines' generated tokens a second while it ran."""
+    before, t0 = await counters(url), time.monotonic()
+    result = await work
+    after, t1 = await counters(url), time.monotonic()
+    return result, (after["tokens"] - before["tokens"]) / (t1 - t0)
+
+
+async def settled(server: Server, timeout: float = 300) -> None:
+    """Wait until no turn holds a seat or waits for one (the last phase's are over)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        engines = (await server.get("/ready")).get("engines", {})
+        if all(not e.get("admitted") and not e.get("queued") for e in engines.values()):
+            return
+        await asyncio.sleep(1)
+    raise TimeoutError("the engines' seats did not empty between phases")
+
+
 class Loop:
-    """Sessions asking one reply after another until stopped."""
+    """Sessions asking one reply after another until stopped, each in a new chat (a
+    history of 2k-token replies would grow every prompt, and every turn's hold on the KV
+    cache, until few fit); a user who is refused (the line is full) tries again after a
+    second, as a person would, rather than at once."""
 
-    def __init__(self, clients: list[ChatClient]):
+    def __init__(self, clients: list[ChatClient], stagger_s: float = 0.0):
         self.clients, self.running = clients, True
-        self.tasks = [asyncio.create_task(self._run(c)) for c in clients]
+        self.refused = 0
+        self.tasks = [asyncio.create_task(self._run(c, i * stagger_s / len(clients)))
+                      for i, c in enumerate(clients)]
 
-    async def _run(self, client):
+    async def _run(self, client, start_after_s: float):
+        await asyncio.sleep(start_after_s)  # spread: turns then end at different times too
+        first = True
         while self.running:
-            with contextlib.suppress(Exception):
-                await client.send(ASK, timeout=900)
+            try:
+                if not first:
+                    await client.new_chat()
+                first = False
+                reply = await client.send(ASK, timeout=900)
+            except Exception:
+                reply = None
+            if reply is None or not reply.tokens:
+                self.refused += 1
+                await asyncio.sleep(1.0)
 
     async def stop(self):
         self.running = False
         for c in self.clients:
             with contextlib.suppress(Exception):
                 await c.stop()
-        await asyncio.wait(self.tasks, timeout=60)
+        await asyncio.wait(self.tasks, timeout=120)
         for t in self.tasks:
             t.cancel()
 
@@ -130,101 +168,157 @@ def long_prompt(rng: random.Random, tokens: int) -> str:
         rng.choice(WORDS) for _ in range(tokens))  # ~1 token a word
 
 
-async def long_prompts(senders: list[ChatClient], every_s: float, until: asyncio.Event,
-                       rng: random.Random) -> int:
-    """A 4-8k-token prompt every `every_s` from the next free sender, until `until`."""
-    sent, busy = 0, set()
+async def long_prompts(url: str, args, until: asyncio.Event, rng: random.Random) -> int:
+    """A long prompt every `long_every_s`, each from a Throughput-first session of its own
+    (a new chat: its history does not grow from one to the next), until `until`."""
+    sent, tasks = 0, []
 
-    async def one(client):
+    async def one():
+        client = ChatClient(url, TF)
         try:
-            await client.send(long_prompt(rng, rng.randint(4000, 8000)), timeout=900)
+            await client.connect()
+            await client.settings(max_tokens=16)
+            await client.send(long_prompt(rng, rng.randint(*args.long_tokens)), timeout=900)
         finally:
-            busy.discard(client)
+            with contextlib.suppress(Exception):
+                await client.close()
 
-    tasks = []
     while not until.is_set():
-        free = [c for c in senders if c not in busy]
-        if free:
-            busy.add(free[0])
-            tasks.append(asyncio.create_task(one(free[0])))
-            sent += 1
+        tasks.append(asyncio.create_task(one()))
+        sent += 1
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(until.wait(), every_s)
+            await asyncio.wait_for(until.wait(), args.long_every_s)
     await asyncio.gather(*tasks, return_exceptions=True)
     return sent
 
 
-def ratio(a, b):
-    return round(a / b, 3) if a and b else None
+async def first_burst(out: dict, lf, tf) -> None:
+    first = await burst(lf, tf)
+    warm = await burst(lf, tf)
+    ttft = lambda b: max(b[LF]["ttft_p95_s"] or 0, b[TF]["ttft_p95_s"] or 0)  # noqa: E731
+    out["first_burst"] = {"first": first, "warmed": warm,
+                          "ttft_p95_ratio": ratio(ttft(first), ttft(warm))}
+    print("first burst", json.dumps(out["first_burst"]), flush=True)
+
+
+async def one_user(out: dict, lf) -> None:
+    """One Latency-first user alone, three replies one after another (the app's pace for a
+    single stream)."""
+    out["one_user"] = [await ask(lf[0]) for _ in range(3)]
+    for row in out["one_user"]:
+        if row:
+            row.pop("gaps")
+    print("one user", json.dumps(out["one_user"]), flush=True)
+
+
+async def seats_now(server: Server) -> dict:
+    """Each preset's turns inside, waiting, and cache held (/ready)."""
+    engines = (await server.get("/ready")).get("engines", {})
+    return {p: {k: v[k] for k in ("admitted", "queued", "kv_held")}
+            for e in engines.values() for p, v in (e.get("presets") or {}).items()}
+
+
+async def light(out: dict, args, lf, tf) -> None:
+    out["light"] = []
+    for n in range(args.pairs):
+        runs = {}
+        for which in (("both", "alone") if n % 2 == 0 else ("alone", "both")):
+            runs[which] = await burst(lf, tf[:len(lf)]) if which == "both" \
+                else (await burst([], tf))[TF]
+        both, alone = runs["both"], runs["alone"]
+        worst = min(both[LF]["tok_s_median"], both[TF]["tok_s_median"])
+        out["light"].append({"both": both, f"alone_{len(tf)}": alone,
+                             "ratio": ratio(worst, alone["tok_s_median"])})
+        print(f"light {n + 1}", json.dumps(out["light"][-1]), flush=True)
+
+
+async def long_phase(out: dict, args, server: Server, lf, rng) -> None:
+    await asyncio.gather(*[c.settings(max_tokens=args.lf_reply) for c in lf])
+    out["long_prompts"] = []
+    for n in range(args.pairs):
+        runs = {}
+        for which in (("with_long", "alone") if n % 2 == 0 else ("alone", "with_long")):
+            await settled(server)
+            if which == "alone":
+                runs[which] = summary(await asyncio.gather(*[ask(c) for c in lf]))
+                continue
+            until = asyncio.Event()
+            sending = asyncio.create_task(long_prompts(server.url, args, until, rng))
+            await asyncio.sleep(min(1.0, args.long_every_s))  # the first prompt is in
+            runs[which] = summary(await asyncio.gather(*[ask(c) for c in lf]))
+            until.set()
+            runs["long_prompts_sent"] = await sending
+        out["long_prompts"].append(runs)
+        print(f"long prompts {n + 1}", json.dumps(runs), flush=True)
+    await asyncio.gather(*[c.settings(max_tokens=args.reply) for c in lf])
+
+
+async def ramped(server: Server, load: int, ramp_s: float) -> None:
+    """Wait until the load holds its seats (all of them, or what the line lets in)."""
+    deadline = time.monotonic() + ramp_s
+    while time.monotonic() < deadline:
+        engines = (await server.get("/ready")).get("engines", {})
+        if sum(e.get("admitted") or 0 for e in engines.values()) >= load:
+            break
+        await asyncio.sleep(1)
+    await asyncio.sleep(2)  # the last ones past their prompts
+
+
+async def saturated(out: dict, args, server: Server, lf, tf) -> None:
+    await settled(server)
+    load = await sessions(server.url, TF, args.load, args.load_reply)
+    start = await counters(server.url)
+    loop = Loop(load, args.load_stagger_s)
+    try:
+        await ramped(server, args.load, args.load_stagger_s + args.ramp_s)
+        out["saturated"] = []
+        for n in range(args.pairs):
+            runs = {"seats_before": await seats_now(server)}
+            for which in (("both", "alone") if n % 2 == 0 else ("alone", "both")):
+                probes, total = await measured(server.url, burst(lf if which == "both"
+                                                                 else [], tf))
+                runs[which] = {"probes": probes, "total_tok_s": round(total)}
+            runs["total_ratio"] = ratio(runs["both"]["total_tok_s"],
+                                        runs["alone"]["total_tok_s"])
+            out["saturated"].append(runs)
+            print(f"saturated {n + 1}", json.dumps(runs), flush=True)
+    finally:
+        await loop.stop()
+    end = await counters(server.url)
+    out["saturated_preempted"] = end["preempted"] - start["preempted"]
+    out["saturated_load"] = {"sessions": args.load, "reply_tokens": args.load_reply,
+                             "turns_refused_or_failed": loop.refused}
 
 
 async def run(args) -> dict:
     rng = random.Random(7)
-    server = Server({**SHIPPED, "VCHAT_ENGINES": args.engines})
-    out: dict = {"engines": args.engines, "pairs": args.pairs}
+    env = {**SHIPPED, "VCHAT_ENGINES": args.engines}
+    if args.variant:
+        env["VCHAT_PROFILES"] = variant_profiles(args.variant)
+    server = Server(env)
+    label = args.label or "-".join(filter(None, (args.engines, args.variant)))
+    out: dict = {"engines": args.engines, "variant": args.variant, "label": label,
+                 "pairs": args.pairs,
+                 "args": {k: v for k, v in vars(args).items() if k not in ("out", "log")}}
     try:
         await server.wait_http(timeout=600)
-        lf = await sessions(server.url, LF, 16, 256)
-        tf = await sessions(server.url, TF, 32, 256)
+        lf = await sessions(server.url, LF, args.sessions, args.reply)
+        tf = await sessions(server.url, TF, 2 * args.sessions, args.reply)
         started = time.monotonic()
         out["health_at_ready"] = await server.wait_ready(timeout=1200)
         out["ready_after_s"] = round(time.monotonic() - started, 1)
-        first = await burst(lf, tf[:16])
-        warm = await burst(lf, tf[:16])
-        ttft = lambda b: max(b[LF]["ttft_p95_s"] or 0, b[TF]["ttft_p95_s"] or 0)  # noqa: E731
-        out["first_burst"] = {"first": first, "warmed": warm,
-                              "ttft_p95_ratio": ratio(ttft(first), ttft(warm))}
-        print("first burst", json.dumps(out["first_burst"]), flush=True)
-
-        out["light"] = []
-        for n in range(args.pairs):
-            both = await burst(lf, tf[:16])
-            alone = (await burst([], tf))[TF]
-            worst = min(both[LF]["tok_s_median"], both[TF]["tok_s_median"])
-            out["light"].append({"both": both, "alone_32": alone,
-                                 "ratio": ratio(worst, alone["tok_s_median"])})
-            print(f"light {n + 1}", json.dumps(out["light"][-1]), flush=True)
-
-        await asyncio.gather(*[c.settings(max_tokens=512) for c in lf])
-        senders = await sessions(server.url, TF, 8, 16)
-        out["long_prompts"] = []
-        for n in range(args.pairs):
-            until = asyncio.Event()
-            sending = asyncio.create_task(long_prompts(senders, args.long_every_s, until, rng))
-            with_long = summary(await asyncio.gather(*[ask(c) for c in lf]))
-            until.set()
-            sent = await sending
-            alone = summary(await asyncio.gather(*[ask(c) for c in lf]))
-            out["long_prompts"].append({"with_long": with_long, "alone": alone,
-                                        "long_prompts_sent": sent})
-            print(f"long prompts {n + 1}", json.dumps(out["long_prompts"][-1]), flush=True)
-        await asyncio.gather(*[c.settings(max_tokens=256) for c in lf])
-
-        load = await sessions(server.url, TF, args.load, 2048)
-        out["saturated"] = []
-        for n in range(args.pairs):
-            loop = Loop(load)
-            await asyncio.sleep(args.ramp_s)
-            before, t0 = await counters(server.url), time.monotonic()
-            probes = await burst(lf, tf[:16])
-            after, t1 = await counters(server.url), time.monotonic()
-            await loop.stop()
-            loop = Loop(load + tf[:16])  # Throughput-first alone, as many sessions
-            await asyncio.sleep(args.ramp_s)
-            b2, t2 = await counters(server.url), time.monotonic()
-            await asyncio.sleep(t1 - t0)
-            a2, t3 = await counters(server.url), time.monotonic()
-            await loop.stop()
-            total = (after["tokens"] - before["tokens"]) / (t1 - t0)
-            alone = (a2["tokens"] - b2["tokens"]) / (t3 - t2)
-            out["saturated"].append({
-                "probes": probes, "total_tok_s": round(total), "alone_total_tok_s": round(alone),
-                "total_ratio": ratio(total, alone),
-                "preempted": after["preempted"] - before["preempted"],
-                "preempted_alone": a2["preempted"] - b2["preempted"]})
-            print(f"saturated {n + 1}", json.dumps(out["saturated"][-1]), flush=True)
+        if "first" in args.phases:
+            await first_burst(out, lf, tf[:args.sessions])
+        if "one" in args.phases:
+            await one_user(out, lf)
+        if "light" in args.phases:
+            await light(out, args, lf, tf)
+        if "long" in args.phases:
+            await long_phase(out, args, server, lf, rng)
+        if "saturated" in args.phases:
+            await saturated(out, args, server, lf, tf[:args.sessions])
         out["targets"] = targets(out)
-        out["health_at_end"] = await server.get("/health")
+        out["health_at_end"] = await server.get("/ready")
         return out
     finally:
         server.stop()
@@ -233,51 +327,55 @@ async def run(args) -> dict:
                 log.write(server.log_path.read_text(errors="replace")[-200_000:])
 
 
-def med(values):
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
+PHASES = ("first", "one", "light", "long", "saturated")
 
 
-def targets(out: dict) -> list[dict]:
-    """Issue 27's targets against the medians of this run's pairs."""
-    sat = out.get("saturated", [])
-    probe = [s["probes"][LF] for s in sat]
-    return [
-        {"name": "light: worst profile's per-stream tok/s / one engine's at 32 streams",
-         "measured": med([p["ratio"] for p in out["light"]]), "target": 0.85,
-         "direction": "min"},
-        {"name": "saturated: Latency-first TTFT p95 (s)",
-         "measured": med([p["ttft_p95_s"] for p in probe]), "target": 0.3, "direction": "max"},
-        {"name": "saturated: Latency-first update gap p95 (s)",
-         "measured": med([p["gap_p95_s"] for p in probe]), "target": 0.1, "direction": "max"},
-        {"name": "saturated: Latency-first tok/s per stream (median)",
-         "measured": med([p["tok_s_median"] for p in probe]), "target": 100,
-         "direction": "min"},
-        {"name": "saturated: total tok/s / Throughput-first alone",
-         "measured": med([s["total_ratio"] for s in sat]), "target": 0.8, "direction": "min"},
-        {"name": "saturated: preemptions", "measured": sum(s["preempted"] for s in sat),
-         "target": 0, "direction": "max"},
-        {"name": "long prompts: Latency-first update gap p95 (s)",
-         "measured": med([p["with_long"]["gap_p95_s"] for p in out["long_prompts"]]),
-         "target": 0.1, "direction": "max"},
-        {"name": "first burst after /ready: TTFT p95 / a warmed burst's",
-         "measured": out["first_burst"]["ttft_p95_ratio"], "target": 2.0, "direction": "max"},
-    ]
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", choices=["auto", "shared", "per-preset"], default="auto")
+    p.add_argument("--pairs", type=whole_number, default=3)
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--sessions", type=whole_number, default=16,
+                   help="sessions of each profile in the bursts and probes")
+    p.add_argument("--reply", type=whole_number, default=256, help="their reply tokens")
+    p.add_argument("--lf-reply", type=whole_number, default=512,
+                   help="long prompts: the Latency-first users' reply tokens")
+    p.add_argument("--long-tokens", type=whole_number, nargs=2, default=[4000, 8000],
+                   metavar=("LEAST", "MOST"), help="long prompts: their length in tokens")
+    p.add_argument("--long-every-s", type=float, default=0.5)
+    p.add_argument("--load", type=whole_number, default=240,
+                   help="saturated: Throughput-first sessions streaming all along")
+    p.add_argument("--load-reply", type=whole_number, default=2048,
+                   help="saturated: the load's reply tokens")
+    p.add_argument("--load-stagger-s", type=float, default=40.0,
+                   help="saturated: the load's first turns start spread over this long "
+                        "(about a reply's time: turns that start together end together, "
+                        "and the total's windows would fall on different parts of a wave)")
+    p.add_argument("--ramp-s", type=float, default=30.0,
+                   help="saturated: the longest wait, after the stagger, for the load to "
+                        "take its seats")
+    p.add_argument("--cpu-scale", action="store_true",
+                   help=f"sizes for 2 CPU cores and the embedded model: {CPU_SCALE}")
+    p.add_argument("--variant", choices=sorted(VARIANTS),
+                   help="a candidate instead of the shipped profiles.yaml: " + "; ".join(
+                       f"{k}: {v}" for k, v in VARIANTS.items()))
+    p.add_argument("--label", help="the run's name in the plot (default: engines-variant)")
+    p.add_argument("--out", help="write the result (JSON) here")
+    p.add_argument("--log", help="copy the server's log here")
+    args = p.parse_args(argv)
+    if args.out and not re.fullmatch(r"[\w./-]+\.json", args.out):
+        p.error("--out must be a .json path")
+    if args.cpu_scale:
+        for key, value in CPU_SCALE.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    if args.long_tokens[0] > args.long_tokens[1]:
+        p.error("--long-tokens: the least must not be above the most")
+    return args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engines", choices=["auto", "shared", "per-preset"], default="auto")
-    p.add_argument("--pairs", type=whole_number, default=2)
-    p.add_argument("--load", type=whole_number, default=240,
-                   help="saturated: Throughput-first sessions streaming 2,048-token replies")
-    p.add_argument("--ramp-s", type=float, default=15.0)
-    p.add_argument("--long-every-s", type=float, default=0.5)
-    p.add_argument("--out", help="write the result (JSON) here")
-    p.add_argument("--log", help="copy the server's log here")
-    args = p.parse_args()
-    if args.out and not re.fullmatch(r"[\w./-]+\.json", args.out):
-        p.error("--out must be a .json path")
+    args = parse_args()
     result = asyncio.run(run(args))
     for t in result["targets"]:
         print(f"{t['name']}: {t['measured']} ({t['direction']} {t['target']})")

@@ -12,12 +12,16 @@ When many replies stream at once, a `Pace` shared by all of them lets the interv
 with their number: every event costs the server about the same whatever it carries. How
 many events a second all streams together may take before that depends on the machine:
 without a GPU they take their time from the model (the app shares the CPU cores with it),
-with one they do not (BENCHMARKS.md, "What it shows" and "GPU (H200)").
+with one they do not (BENCHMARKS.md, "What it shows" and "GPU (H200)"). Replies of a
+higher class (a profile whose preset has the lower `priority`, Latency-first) take their
+share of those events first: their interval grows only when they alone would fill them,
+and the classes below share what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,13 +39,15 @@ EVENTS_PER_S_GPU = 2000
 
 class Pace:
     """The longest interval between one reply's updates, from how many replies stream at
-    once: `streams / events_per_s`, kept within [fastest, slowest]. One stream: `fastest`."""
+    once, class by class (`rank`: lower first): a class's `streams / events left`, kept
+    within [fastest, slowest], where the events left are `events_per_s` less what the
+    classes above take. One stream: `fastest`."""
 
     def __init__(self, fastest: float = DEFAULT_INTERVAL_S,
                  slowest: float = SLOWEST_INTERVAL_S, events_per_s: float = EVENTS_PER_S_CPU):
         self.fastest, self.slowest = fastest, max(slowest, fastest)
         self.events_per_s = events_per_s
-        self.streams = 0
+        self.by_rank: collections.Counter[int] = collections.Counter()  # streams per class
 
     @classmethod
     def starting_at(cls, fastest: float, events_per_s: float = EVENTS_PER_S_CPU) -> "Pace":
@@ -53,27 +59,40 @@ class Pace:
         return EVENTS_PER_S_GPU if gpu else EVENTS_PER_S_CPU
 
     @property
-    def interval(self) -> float:
-        return min(self.slowest, max(self.fastest, self.streams / self.events_per_s))
+    def streams(self) -> int:
+        return sum(self.by_rank.values())
+
+    def interval(self, rank: int = 0) -> float:
+        if self.slowest == 0:  # coalescing off: every piece goes out as it comes
+            return 0.0
+        left = float(self.events_per_s)
+        for r in sorted(k for k, n in self.by_rank.items() if n > 0 and k < rank):
+            left -= self.by_rank[r] / self._within(self.by_rank[r] / max(left, 1e-9))
+        return self._within(self.by_rank[rank] / max(left, 1e-9))
+
+    def _within(self, interval: float) -> float:
+        return min(self.slowest, max(self.fastest, interval))
 
 
 class Coalescer:
     """Joins streamed text pieces and hands them to `send`, in order, at a bounded rate:
-    a fixed `interval`, or the shared `pace`'s (counting this reply from its first piece
-    until `close` or `discard`)."""
+    a fixed `interval`, or the shared `pace`'s for its class `rank` (counting this reply
+    from its first piece until `close` or `discard`)."""
 
     def __init__(self, send: Callable[[str], Awaitable[None]],
-                 interval: float = DEFAULT_INTERVAL_S, pace: Pace | None = None):
+                 interval: float = DEFAULT_INTERVAL_S, pace: Pace | None = None,
+                 rank: int = 0):
         self._send = send
         self._fixed = interval
         self._pace = pace
+        self._rank = rank
         self._counted = False
         self._pending: list[str] = []
         self._last_sent = float("-inf")
 
     @property
     def interval(self) -> float:
-        return self._fixed if self._pace is None else self._pace.interval
+        return self._fixed if self._pace is None else self._pace.interval(self._rank)
 
     async def feed(self, text: str) -> None:
         """Take a piece and return once it is sent: at once when due, else after sleeping
@@ -85,7 +104,7 @@ class Coalescer:
         Cancelled while it sleeps (the user pressed Stop), it sends nothing."""
         if self._pace is not None and not self._counted:
             self._counted = True
-            self._pace.streams += 1
+            self._pace.by_rank[self._rank] += 1
         self._pending.append(text)
         wait = self._last_sent + self.interval - time.monotonic()
         if wait > 0:
@@ -114,4 +133,4 @@ class Coalescer:
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self._pace.streams -= 1
+            self._pace.by_rank[self._rank] -= 1

@@ -197,7 +197,9 @@ class Turns:
                             note: WaitNote) -> TurnStats:
         """Stream the reply into `reply` as the engine writes it; the turn's stats at the
         end."""
-        out, stats = Coalescer(reply.stream_token, pace=self.pace), None
+        out = Coalescer(reply.stream_token, pace=self.pace,
+                        rank=self.engines.priority(conv.profile.name))
+        stats = None
         try:
             async for item in self.engines.stream(prompt, conv.profile.name,
                                                   on_queued=note.show,

@@ -55,10 +55,16 @@ class Preset:
     remote: Remote | None = None  # its model runs on that server, not in this process
     gpus: tuple[int, ...] = ()  # the GPUs its engine runs on; () for the first it needs
     priority: int = 0  # on an engine shared with other presets: lower is served first
+    # On a shared engine: the longest step while its turns run, by device ({"gpu": 9}).
+    step_ms: dict = field(default_factory=dict)
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
         return {**self.vllm, **(self.vllm_gpu if gpu else self.vllm_cpu)}
+
+    def pace(self, gpu: bool) -> float | None:
+        """The step duration its turns are promised on a shared engine, on this device."""
+        return self.step_ms.get("gpu" if gpu else "cpu")
 
     def all_options(self) -> list[dict]:
         """Every option set this preset may run with (any device)."""
@@ -200,7 +206,7 @@ def _build(source: str, raw: dict) -> Config:
             continue
         body = check_map(source, where, body, required={"memory_share"},
                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus",
-                                   "priority"})
+                                   "priority", "step_ms"})
         share = check_number(source, f"{where}.memory_share", body["memory_share"], float,
                              lo=0.0, hi=1.0, lo_open=True)
         presets[name] = Preset(
@@ -208,7 +214,8 @@ def _build(source: str, raw: dict) -> Config:
             check_vllm(source, f"{where}.vllm_cpu", body.get("vllm_cpu") or {}), queued,
             check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
             gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])),
-            priority=check_number(source, f"{where}.priority", body.get("priority", 0), int))
+            priority=check_number(source, f"{where}.priority", body.get("priority", 0), int),
+            step_ms=_check_step_ms(source, f"{where}.step_ms", body.get("step_ms") or {}))
 
     profiles = []
     for i, body in enumerate(check_type(source, "profiles", raw["profiles"], list)):
@@ -231,6 +238,12 @@ def _check_gpus(source: str, where: str, value) -> tuple[int, ...]:
         raise ConfigError(source, where, "must list distinct GPU indices (0, 1, ... as the "
                           f"process sees them, CUDA_VISIBLE_DEVICES counts), got {value!r}")
     return tuple(gpus)
+
+
+def _check_step_ms(source: str, where: str, value) -> dict:
+    raw = check_map(source, where, value, optional={"gpu", "cpu"})
+    return {device: check_number(source, f"{where}.{device}", ms, float, lo=0.0, lo_open=True)
+            for device, ms in raw.items()}
 
 
 def _check_placement(config: Config) -> None:

@@ -17,6 +17,7 @@ from .config import Config, Preset
 from .errors import ConfigError
 from .qwen import has_random_weights
 from .settings import cache_dir
+from .steps import STEP_CLASSES_KEY
 
 GIB = 1 << 30
 SMALL_CPU_CORES = 4  # at most this many cores: every one of them runs the model
@@ -88,19 +89,13 @@ class EngineGroup:
         return len(self.presets) > 1
 
 
-def shares_engines(config: Config, machine: Machine) -> bool:
-    """`engines: auto` shares one engine between the presets on one GPU (two engines there
-    time-slice it: each stream gets ~0.57x, BENCHMARKS.md "Both profiles at once"); without
-    a GPU each preset keeps its engine (`engines: shared` or `per-preset` decide)."""
-    return config.engines == "shared" or (config.engines == "auto" and machine.gpu)
-
-
-def engine_groups(config: Config, machine: Machine) -> list[EngineGroup]:
+def engine_groups(config: Config) -> list[EngineGroup]:
     """Which presets run on which engine. Remote presets are their server's; the local
-    presets on the same GPUs (without a GPU: all of them) share one engine when
-    `shares_engines`, else each has its own."""
+    presets on the same GPUs (without a GPU: all of them) share one engine unless
+    `engines: per-preset` (two engines on one device time-slice it: on the H200 each stream
+    got ~0.57x, on 2 CPU cores ~0.34x; BENCHMARKS.md "Both profiles at once")."""
     groups: dict[object, list[Preset]] = {}
-    share = shares_engines(config, machine)
+    share = config.engines != "per-preset"
     for preset in config.used_presets():
         local = preset.remote is None and share
         key = ("gpus", config.gpus_of(preset)) if local else ("preset", preset.name)
@@ -117,21 +112,53 @@ def seats(config: Config, preset: Preset, gpu: bool) -> int:
     return int({**config.vllm, **preset.options(gpu)}.get("max_num_seqs", 256))
 
 
+STEP_SHAPE = ("max_num_batched_tokens", "long_prefill_token_threshold")
+
+
 def shared_preset(config: Config, group: EngineGroup, gpu: bool) -> Preset:
     """The one engine of a shared group, as a preset: the highest-priority preset's options
-    (its step budget bounds every step, which is Latency-first's promise), the others' only
-    where it sets nothing; seats for every preset's turns at once (each keeps its own in
-    admission); vLLM's priority scheduling; the presets' memory shares together."""
+    (the others' only where it sets nothing); seats for every preset's turns at once (each
+    keeps its own in admission); the largest step shape among them (a step that no preset
+    alone would take never happens: each class's own shape and pace apply while its turns
+    run, engine/steps.py); vLLM's priority scheduling; the memory shares together."""
     options: dict = {}
     for preset in reversed(group.presets):
         options.update(preset.options(gpu))
+    shapes = [{**config.vllm, **p.options(gpu)} for p in group.presets]
+    for key in STEP_SHAPE:
+        values = [shape.get(key) for shape in shapes]
+        options.pop(key, None)
+        if key == "long_prefill_token_threshold":  # 0 or unset: prompts are not cut
+            if all(values):
+                options[key] = max(values)
+        elif None not in values:  # unset: vLLM's own default
+            options[key] = max(values)
     options["max_num_seqs"] = sum(seats(config, p, gpu) for p in group.presets)
     if "max_num_batched_tokens" in options:  # vLLM: a step holds at least one token a seat
         options["max_num_batched_tokens"] = max(options["max_num_batched_tokens"],
                                                 options["max_num_seqs"])
     options["scheduling_policy"] = "priority"
+    classes = step_classes(group, shapes, options, gpu)
+    if classes:
+        options["additional_config"] = {**options.get("additional_config", {}),
+                                        STEP_CLASSES_KEY: classes}
     share = min(1.0, sum(p.memory_share for p in group.presets))
     return Preset(group.name, share, vllm=options, gpus=group.presets[0].gpus)
+
+
+def step_classes(group: EngineGroup, shapes: list[dict], engine: dict, gpu: bool) -> dict:
+    """Each class's promise for the steps while its turns run, where it differs from the
+    engine's own steps: its step shape and its pace (`step_ms`), by priority (the first
+    preset of a priority speaks for it)."""
+    classes: dict[str, dict] = {}
+    for preset, shape in zip(group.presets, shapes):
+        own = {key: shape.get(key) or 0 for key in STEP_SHAPE
+               if (shape.get(key) or 0) != (engine.get(key) or 0)}
+        if preset.pace(gpu) is not None:
+            own["step_ms"] = preset.pace(gpu)
+        if own and str(preset.priority) not in classes:
+            classes[str(preset.priority)] = own
+    return classes
 
 
 def group_setup(config: Config, group: EngineGroup, model: str, machine: Machine,

@@ -16,6 +16,7 @@ import time
 import types
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -25,6 +26,7 @@ from .history import Prompt
 from .launch import EngineSetup, process_env
 from .metrics import engine_series
 from .stats import StepStats, TurnStats
+from .steps import STEP_CLASSES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,25 @@ def neutral_main():
         yield
     finally:
         sys.modules["__main__"] = real
+
+
+@contextlib.contextmanager
+def importable_here():
+    """This project's folder on the import path of processes started inside this block.
+
+    A shared engine's scheduler (engine/scheduler.py) is loaded by name in vLLM's engine
+    process, which takes the import path this process has when it starts. `chainlit run`
+    puts the app's folder on that path only while it loads app.py, so here it is put back
+    for the start."""
+    root = str(Path(__file__).resolve().parent.parent)
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        if added and root in sys.path:
+            sys.path.remove(root)
 
 
 class PresetEngine:
@@ -98,7 +119,11 @@ class PresetEngine:
             except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
                 raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
                                   f"vLLM refused these options: {_first_line(exc)}") from exc
-            with neutral_main():
+            if STEP_CLASSES_KEY in (vllm_config.additional_config or {}):
+                from .scheduler import scheduler_for  # vLLM's scheduler: loaded only here
+
+                vllm_config.scheduler_config.scheduler_cls = scheduler_for(vllm_config)
+            with neutral_main(), importable_here():
                 llm = AsyncLLM.from_vllm_config(
                     vllm_config,
                     stat_loggers=[self.step_stats.logger_factory(), engine_series(registry)])

@@ -99,7 +99,7 @@ class Engines:
             if any(p.remote is None or p.remote.tokenizer is None for p in presets):
                 self.model = await asyncio.to_thread(resolve_model, self.config.model)
             self.machine = machine = await asyncio.to_thread(Machine.here)
-            for group in engine_groups(self.config, machine):
+            for group in engine_groups(self.config):
                 first = group.presets[0]
                 engine = RemoteEngine(first.name, first.remote, self.model) if first.remote \
                     else self.engine_class(group.name, group_setup(self.config, group,
@@ -227,6 +227,10 @@ class Engines:
         """Presets whose engine died and is being started again."""
         return set(self._restarting)
 
+    def priority(self, profile: str) -> int:
+        """The profile's class: its preset's `priority` (lower is served first)."""
+        return self.config.presets[self.config.profile(profile).preset].priority
+
     def for_profile(self, profile: str) -> PresetEngine:
         name = self.engine_of.get(self.config.profile(profile).preset)
         if name in self._restarting:
@@ -265,7 +269,7 @@ class Engines:
                 kv_held=next((g.line.held for g in lines.values()), 0),
                 warm_up_s=self.warm_up_s.get(name),
                 presets={p: {"priority": g.priority, "admitted": g.inside, "queued": g.waiting,
-                             "seats": g.running, "kv_held": g.held}
+                             "seats": g.running, "max_queued": g.queued, "kv_held": g.held}
                          for p, g in lines.items()})
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())

@@ -58,13 +58,15 @@ case "$step" in
         > "$out/bench-start.log" 2>&1 < /dev/null &
     echo "bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
   profiles-start)  # the shipped app: compiled, the file's context and memory
+    # LAYOUT: shared, per-preset, or ENGINES:VARIANT (bench.profiles --variant), in turn.
     layouts=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do layouts+=("$1"); shift; done
     [ "${1:-}" = "--" ] && shift
     rm -rf /tmp/bench-checkout && cp -r . /tmp/bench-checkout && cd /tmp/bench-checkout \
-      && setsid nohup bash -c "for l in ${layouts[*]}; do VCHAT_MODEL=qwen3-4b-dummy \
-        python3 -m bench.profiles --engines \$l --out '$out'/gpu-h200-profiles-\$l.json \
-        --log '$out'/server-\$l.log $* 2>&1 | grep -v 'Unclosed\|client_session'; done \
-        >> '$out/bench.log'; touch '$out/done'" > "$out/bench-start.log" 2>&1 < /dev/null &
+      && setsid nohup bash -c "for l in ${layouts[*]}; do e=\${l%%:*}; v=\${l#\$e}; \
+        VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.profiles --engines \$e \
+        \${v:+--variant \${v#:}} --out '$out'/gpu-h200-profiles-\${l/:/-}.json \
+        --log '$out'/server-\${l/:/-}.log $* 2>&1 | grep -v 'Unclosed\|client_session'; \
+        done >> '$out/bench.log'; touch '$out/done'" > "$out/bench-start.log" 2>&1 < /dev/null &
     echo "profiles bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
   wait)
     dir=${1:?wait DIR [SECONDS]}; limit=${2:-540}; waited=0

@@ -19,7 +19,7 @@ from engine import ChatFormatter, Message
 from engine.history import fit_history
 from engine.launch import has_cuda
 from engine.model import resolve_model
-from tools.chainlit_client import ChatClient, serving
+from tools.chainlit_client import ChatClient, engine_of, serving
 
 MAX_MODEL_LEN = 2048
 
@@ -67,14 +67,19 @@ def series(scraped: dict, name: str, **labels) -> float:
 
 
 async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
-    """GET /metrics after real turns: vLLM's engine series for each preset (vLLM's own
-    logger keeps only the last engine started in a process), the app's by profile, and
-    one JSON log line per turn without the message's text."""
+    """GET /metrics after real turns: vLLM's engine series for each engine, labelled with
+    its presets (vLLM's own logger keeps only the last engine started in a process; here
+    one engine serves both presets), the app's by profile, and one JSON log line per turn
+    without the message's text."""
     before = await scrape(server)
-    for preset in ("latency-first", "throughput-first"):
-        assert series(before, "vllm:num_requests_running", preset=preset) == 0
-        assert any(name == "vllm:kv_cache_usage_perc" and ("preset", preset) in labels
-                   for name, labels in before), f"no KV cache series for {preset}"
+    engines = list((await server.get("/ready"))["engines"])  # named by their presets
+    assert sorted(p for name in engines for p in name.split("+")) == [
+        "latency-first", "throughput-first"]
+    for name in engines:
+        assert series(before, "vllm:num_requests_running", preset=name) == 0
+        assert any(n == "vllm:kv_cache_usage_perc" and ("preset", name) in labels
+                   for n, labels in before), f"no KV cache series for {name}"
+    fast = next(name for name in engines if "latency-first" in name.split("+"))
     c = await client(server, max_tokens=8)
     await c.send("A question for the metrics.")
     refused = await c.send("   ")
@@ -89,11 +94,12 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
     assert grew("vchat_turns_finished_total", profile="Latency-first") == 1
     assert grew("vchat_turns_refused_total", profile="Latency-first", reason="message") == 1
     assert 1 <= grew("vchat_output_tokens_total", profile="Latency-first") <= 8
-    # The engine's side, told apart: the turn ran on latency-first's engine only.
-    assert grew("vllm:generation_tokens_total", preset="latency-first") == grew(
+    # The engine's side: the turn ran on the engine of latency-first, and on no other.
+    assert grew("vllm:generation_tokens_total", preset=fast) == grew(
         "vchat_output_tokens_total", profile="Latency-first")
-    assert grew("vllm:generation_tokens_total", preset="throughput-first") == 0
-    assert grew("vllm:time_to_first_token_seconds_count", preset="latency-first") == 1
+    assert all(grew("vllm:generation_tokens_total", preset=name) == 0
+               for name in engines if name != fast)
+    assert grew("vllm:time_to_first_token_seconds_count", preset=fast) == 1
     assert series(after, "vchat_turns_running", profile="Latency-first") == 0
     turns = [json.loads(line) for line in server.log().splitlines()
              if line.startswith("{") and '"event": "turn"' in line]
@@ -158,7 +164,7 @@ async def test_history_fitting_drops_oldest_turns_and_refuses_an_overlong_messag
     assert len([n for n in notices if "left out" in n]) == 1, "told once, not every turn"
     # Follow-up turns reuse their history's KV cache, and operators can see it.
     _, health = await server.ready_state()
-    engine = health["engines"]["latency-first"]
+    engine = engine_of(health, "latency-first")
     assert 0 < engine["prefix_cache_hit_rate"] <= 1 and engine["preempted"] >= 0
 
     refused = await c.send("pear " * 2500)
@@ -190,7 +196,7 @@ async def test_stop_ends_the_reply_at_once_and_the_next_turn_works(server, forma
     print(f"task_end {ended_in * 1000:.0f} ms after stop")
     assert ended_in < 1.0 and late == []
     status, health = await server.ready_state()
-    assert health["engines"]["latency-first"]["unfinished_requests"] == 0
+    assert engine_of(health, "latency-first")["unfinished_requests"] == 0
 
     stopped = c.collect(start, end + 1)
     assert stopped.reply["metadata"]["stopped"] is True
@@ -218,7 +224,7 @@ async def test_eight_sessions_at_once_are_answered_and_batched(server):
     together = await asyncio.gather(*[c.send(p) for c, p in zip(clients, prompts)])
     concurrent_s = time.monotonic() - started
     _, after = await server.ready_state()
-    engine_before, engine_after = (h["engines"]["throughput-first"] for h in (before, after))
+    engine_before, engine_after = (engine_of(h, "throughput-first") for h in (before, after))
     out_tokens = sum(r.reply["metadata"]["output_tokens"] for r in together)
     steps = engine_after["steps"] - engine_before["steps"]
     print(f"8 one by one: {sequential_s:.1f}s; 8 at once: {concurrent_s:.1f}s; "
@@ -379,9 +385,10 @@ async def test_sixty_four_sessions_sending_at_once_are_all_answered(server, conf
     assert all(r.reply and r.reply["metadata"]["output_tokens"] > 0 for r in replies)
     told = [r for r in replies if any("in line" in n for n in r.notes)]
     status, health = await server.ready_state()
-    engine = health["engines"][running]
-    print(f"64 at once: {len(told)} waited in line; engine runs {engine['max_admitted']}")
-    assert len(told) >= 64 - engine["max_admitted"] - 8  # (a few may find a place free)
+    engine = engine_of(health, running)
+    seats = engine["presets"][running]["seats"]
+    print(f"64 at once: {len(told)} waited in line; the preset runs {seats}")
+    assert len(told) >= 64 - seats - 8  # (a few may find a place free)
     assert engine["admitted"] == 0 and engine["queued"] == 0 and engine["unfinished_requests"] == 0
     await asyncio.gather(*[c.close() for c in clients])
 
@@ -468,9 +475,11 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
              if p.name() == "VLLM::EngineCore"]
     old = cores + [p for core in cores for p in core.children(recursive=True)]
-    # One engine core per preset; on CPU each runs its model in a worker process of its
-    # own, on one GPU inside the core itself.
-    assert len(cores) == 2 and (has_cuda() or any(p.name() == "VLLM::Worker" for p in old))
+    # One engine core per engine (one for both presets); on CPU it runs its model in a
+    # worker process of its own, on one GPU inside the core itself.
+    engines = (await server.ready_state())[1]["engines"]
+    assert len(cores) == len(engines) >= 1
+    assert has_cuda() or any(p.name() == "VLLM::Worker" for p in old)
     for p in cores:
         p.kill()
     end = await c.wait_for("task_end", since=start, timeout=60)

@@ -70,3 +70,52 @@ def test_the_real_commands_fail_cleanly(tmp_path):
     assert "error:" in no_file.stderr and "none.yaml" in no_file.stderr
     assert no_preset.returncode == 2 and "no preset 'x'" in no_preset.stderr
     assert no_sessions.returncode == 2 and "--sessions: 0 is too small" in no_sessions.stderr
+
+
+def test_the_profiles_bench_scales_down_for_a_cpu_and_refuses_bad_options(capsys):
+    """bench/profiles.py (make bench-profiles): --cpu-scale sizes the phases for 2 cores
+    unless an option says otherwise; a bad option stops it before a server starts."""
+    from bench import profiles
+
+    gpu = profiles.parse_args([])
+    assert (gpu.sessions, gpu.load, gpu.load_reply, gpu.long_tokens) == (16, 240, 2048,
+                                                                         [4000, 8000])
+    cpu = profiles.parse_args(["--cpu-scale", "--load", "20"])
+    assert cpu.load == 20, "an option given wins over the CPU size"
+    assert (cpu.sessions, cpu.load_reply) == (profiles.CPU_SCALE["sessions"],
+                                              profiles.CPU_SCALE["load_reply"])
+    for argv, words in ((["--long-tokens", "900", "800"], "the least must not be above"),
+                        (["--out", "x.txt"], "must be a .json path"),
+                        (["--phases", "sometimes"], "invalid choice"),
+                        (["--variant", "fastest"], "invalid choice")):
+        with pytest.raises(SystemExit) as stop:
+            profiles.parse_args(argv)
+        assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_profiles_figures_merge_a_rerun_phase_and_check_the_targets():
+    """bench/profile_figures.py: a later run's phases replace an earlier one's for the same
+    layout; each target is the median over the pairs, judged by its direction."""
+    from bench.profile_figures import holds, merged
+
+    def probes(tok_s, ttft, gap):
+        return {"Latency-first": {"tok_s_median": tok_s, "ttft_p95_s": ttft, "gap_p95_s": gap}}
+
+    first = {"label": "shared", "engines": "shared", "source": "a.json",
+             "light": [{"ratio": r} for r in (0.9, 0.95, 0.8)],
+             "saturated": [{"both": {"probes": probes(10, 9, 9)}, "total_ratio": 0.1}]}
+    again = {"label": "shared", "engines": "shared", "source": "b.json",
+             "saturated": [{"both": {"probes": probes(t, 0.2, 0.05)}, "total_ratio": r}
+                           for t, r in ((90, 0.7), (110, 0.9), (105, 1.2))],
+             "saturated_preempted": 0}
+    run = merged([first, again])["shared"]
+    assert run["from"] == {"light": "a.json", "saturated": "b.json",
+                           "saturated_preempted": "b.json"}
+    def got(start):
+        return next(t["measured"] for t in run["targets"] if t["name"].startswith(start))
+
+    assert got("light:") == 0.9
+    assert got("saturated: Latency-first tok/s") == 105
+    assert got("saturated: total tok/s") == 0.9
+    assert all(holds(t) for t in run["targets"] if t["measured"] is not None)
+    assert got("long prompts:") is None  # not run

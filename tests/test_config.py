@@ -13,6 +13,7 @@ import yaml
 from engine import ConfigError, load_config
 from engine.launch import GIB, Machine, cpu_dtype, engine_groups, engine_setup, group_setup
 from engine.settings import SETTINGS, setting
+from engine.steps import STEP_CLASSES_KEY
 from tools.chainlit_client import chainlit_command, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,15 +41,18 @@ def test_shipped_file_loads_with_both_presets():
     assert config.profile_or_default("Throughput-first").name == "Throughput-first"
     assert config.profile_or_default("No such profile") is config.default_profile
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
-    # Without a GPU latency-first takes smaller steps; with one, the same steps (smaller
-    # pieces measured worse on the H200: BENCHMARKS.md) and fewer seats. Either way its
-    # steps are never the larger, its seats the fewer.
+    # Latency-first takes smaller steps without a GPU; with one, the same steps (smaller
+    # pieces measured worse on the H200: BENCHMARKS.md). Either way its steps are never the
+    # larger, its seats the fewer; on a GPU it is promised a pace on the shared engine (its
+    # step budget bounds a CPU step).
     cpu_small, cpu_large = fast.options(False), big.options(False)
     assert cpu_small["max_num_batched_tokens"] < cpu_large["max_num_batched_tokens"]
     assert cpu_small["max_num_seqs"] <= cpu_large["max_num_seqs"]
     gpu_small, gpu_large = fast.options(True), big.options(True)
     assert gpu_small["max_num_batched_tokens"] <= gpu_large["max_num_batched_tokens"]
     assert gpu_small["max_num_seqs"] < gpu_large["max_num_seqs"]
+    assert fast.pace(gpu=True) > 0 and fast.pace(gpu=False) is None
+    assert big.pace(gpu=True) is None
 
 
 CASES = [
@@ -89,6 +93,10 @@ CASES = [
      "profiles[0].starters[0].message", "missing"),
     ("memory out of range", lambda d: d["memory"].update(gpu_memory_utilization=1.5),
      "memory.gpu_memory_utilization", "<= 1"),
+    ("pace for an unknown device", lambda d: d["presets"]["latency-first"].update(
+        step_ms={"tpu": 5}), "presets.latency-first.step_ms.tpu", "allowed: cpu, gpu"),
+    ("pace of no time", lambda d: d["presets"]["latency-first"].update(step_ms={"gpu": 0}),
+     "presets.latency-first.step_ms.gpu", "> 0"),
 ]
 
 
@@ -202,28 +210,36 @@ def test_engine_setup_splits_memory_and_picks_eager_mode_per_device():
     assert engine_setup(forced, fast, "/m", CPU, env={}).args["enforce_eager"] is False
 
 
-def test_on_one_gpu_the_presets_share_one_engine_by_priority():
+def test_the_presets_share_one_engine_by_priority():
     config = load_config(ROOT / "profiles.yaml", env={})
-    (group,) = engine_groups(config, GPU)
+    (group,) = engine_groups(config)
     assert [p.name for p in group.presets] == ["latency-first", "throughput-first"]
     args = group_setup(config, group, "/m", GPU, env={}).args
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     assert args["scheduling_policy"] == "priority"
     assert args["max_num_seqs"] == fast.vllm_gpu["max_num_seqs"] + big.vllm_gpu["max_num_seqs"]
-    assert args["max_num_batched_tokens"] == fast.vllm_gpu["max_num_batched_tokens"]
+    # The engine takes the largest step; Latency-first's pace applies while its turns run
+    # (engine/steps.py, in vLLM's process); on a GPU its step is the same as the engine's.
+    assert args["max_num_batched_tokens"] == big.vllm_gpu["max_num_batched_tokens"]
+    assert args["additional_config"][STEP_CLASSES_KEY] == {"0": {"step_ms": fast.step_ms["gpu"]}}
     assert args["gpu_memory_utilization"] == config.memory.gpu_memory_utilization
-    # Without a GPU (auto), or asked for: an engine per preset.
-    assert [g.name for g in engine_groups(config, CPU)] == ["latency-first", "throughput-first"]
+    # Without a GPU: Latency-first's step budget and prompt pieces, no pace.
+    cpu_args = group_setup(config, group, "/m", CPU, env={}).args
+    assert cpu_args["max_num_batched_tokens"] == big.vllm_cpu["max_num_batched_tokens"]
+    assert "long_prefill_token_threshold" not in cpu_args  # Throughput-first's: whole prompts
+    assert cpu_args["additional_config"][STEP_CLASSES_KEY] == {"0": {
+        key: fast.vllm_cpu[key]
+        for key in ("max_num_batched_tokens", "long_prefill_token_threshold")}}
+    # Asked for: an engine per preset.
     apart = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENGINES": "per-preset"})
-    assert [len(g.presets) for g in engine_groups(apart, GPU)] == [1, 1]
+    assert [g.name for g in engine_groups(apart)] == ["latency-first", "throughput-first"]
     shared = load_config(ROOT / "profiles.yaml", env={"VCHAT_ENGINES": "shared"})
-    assert [len(g.presets) for g in engine_groups(shared, CPU)] == [2]
+    assert [len(g.presets) for g in engine_groups(shared)] == [2]
     # Presets on GPUs of their own never share.
     own = dataclasses.replace(config, presets={
         "latency-first": dataclasses.replace(fast, gpus=(0,)),
         "throughput-first": dataclasses.replace(big, gpus=(1,))})
-    two = Machine(gpu=True, cores=16, gpus=2)
-    assert [len(g.presets) for g in engine_groups(own, two)] == [1, 1]
+    assert [len(g.presets) for g in engine_groups(own)] == [1, 1]
     with pytest.raises(ConfigError, match="engines: must be one of auto, shared, per-preset"):
         load_config(ROOT / "profiles.yaml", env={}) and _build_with(engines="sometimes")
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine import ChatError, Message, Prompt, TurnStats
 from engine.history import fit_history
-from engine.launch import GIB, Machine
+from engine.launch import GIB, Machine, group_setup
 
 HELLO = [Message("user", "Name three colours.")]
 
@@ -134,25 +134,33 @@ class _nothing:
         return False
 
 
-async def test_each_preset_runs_with_its_own_scheduler_settings(engines, config):
-    assert set(engines.engines) == {"latency-first", "throughput-first"}
-    gpu = Machine.here().gpu
+async def test_each_engine_runs_with_its_presets_scheduler_settings(engines, config):
+    """The shipped layout: one engine for both presets (`engines: auto`), with the settings
+    launch.group_setup makes of them (seats for both, the larger step, priority), and
+    each preset's own seats in front of it."""
+    assert set(engines.engines) == {"latency-first+throughput-first"}
+    machine = Machine.here()
     for name, engine in engines.engines.items():
-        wanted = config.presets[name].options(gpu)
+        wanted = group_setup(config, engines.groups[name], engines.model, machine).args
         sched, cache = engine.scheduler_config, engine.cache_config
-        assert sched.max_num_seqs == wanted["max_num_seqs"]
+        assert sched.policy == "priority"
+        assert sched.max_num_seqs == wanted["max_num_seqs"] == sum(
+            engines.admission[p.name].running for p in engines.groups[name].presets)
         assert sched.max_num_batched_tokens == wanted["max_num_batched_tokens"]
         assert sched.enable_chunked_prefill == wanted["enable_chunked_prefill"]
-        assert sched.long_prefill_token_threshold == wanted["long_prefill_token_threshold"]
+        assert sched.long_prefill_token_threshold == wanted.get(
+            "long_prefill_token_threshold", 0)
         assert cache.enable_prefix_caching == wanted["enable_prefix_caching"]
-        # The memory split: this preset's share of the configured memory.
-        share = config.presets[name].memory_share
-        if gpu:
+        for preset in engines.groups[name].presets:
+            assert engines.admission[preset.name].running == \
+                preset.options(machine.gpu)["max_num_seqs"]
+        # The memory: the presets' shares together.
+        share = sum(p.memory_share for p in engines.groups[name].presets)
+        if machine.gpu:
             assert cache.gpu_memory_utilization == pytest.approx(
                 config.memory.gpu_memory_utilization * share)
         else:
             assert cache.kv_cache_memory_bytes == int(config.memory.cpu_kv_cache_gib * share * GIB)
-    assert engines.engines["latency-first"].llm is not engines.engines["throughput-first"].llm
 
 
 def bound_cores(worker) -> set[int]:
@@ -215,7 +223,9 @@ async def test_profiles_route_to_their_presets_engine(engines):
 async def test_health_reports_every_engine(engines):
     health = await engines.health()
     assert health["status"] == "ok"
-    assert set(health["engines"]) == {"latency-first", "throughput-first"}
+    assert set(health["engines"]) == {"latency-first+throughput-first"}
+    assert set(health["engines"]["latency-first+throughput-first"]["presets"]) == {
+        "latency-first", "throughput-first"}
     assert all(e["healthy"] and e["unfinished_requests"] == 0 for e in health["engines"].values())
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from api.openai import refusal
 from engine import Busy, ChatError, Unavailable
-from tools.chainlit_client import ROOT, TEST_USER, ChatClient, serving
+from tools.chainlit_client import ROOT, TEST_USER, ChatClient, engine_of, serving
 
 OPERATOR_KEY = "operator-key-for-tests-0123456789"
 
@@ -132,7 +132,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     deadline = time.monotonic() + 20
     while True:  # the engine's request is gone well before its 1,000 tokens
         engines = (await server.ready_state())[1]["engines"]
-        if engines["latency-first"]["unfinished_requests"] == 0:
+        if engine_of({"engines": engines}, "latency-first")["unfinished_requests"] == 0:
             break
         assert time.monotonic() < deadline, engines
         await asyncio.sleep(0.2)
@@ -159,4 +159,4 @@ async def test_api_requests_batch_with_a_chat_users_turn(server):
     assert replies[0].reply["metadata"]["output_tokens"] == 48
     assert all(r.usage.completion_tokens == 48 for r in replies[1:])
     engines = (await server.ready_state())[1]["engines"]
-    assert engines["latency-first"]["peak_running"] >= 5
+    assert engine_of({"engines": engines}, "latency-first")["peak_running"] >= 5

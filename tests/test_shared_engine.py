@@ -1,9 +1,12 @@
 """One vLLM engine shared by both presets (`engines: shared`, the default on one GPU), on the
 real CPU engine and the embedded model: priority classes, each preset's own seats, admission
-by the KV cache, warm-up before ready."""
+by the KV cache, warm-up before ready, and the steps of engine/steps.py (Latency-first's
+step shape and pace while its turns run; Throughput-first's turns taking turns)."""
 
 import asyncio
+import dataclasses
 import os
+import uuid
 
 import pytest
 
@@ -11,11 +14,19 @@ from engine import Engines, load_config
 from tests.test_engine import collect, fitted
 
 SHARED = "latency-first+throughput-first"
+# Latency-first's pace on this CPU for these tests: shorter than any step here, so while
+# its turns run Throughput-first's turns get the least share of the steps (one in 8).
+TEST_PACE_MS = 0.001
 
 
 @pytest.fixture(scope="module")
 async def shared():
-    pool = Engines(load_config(env={**os.environ, "VCHAT_ENGINES": "shared"}))
+    config = load_config(env={**os.environ, "VCHAT_ENGINES": "shared"})
+    fast = config.presets["latency-first"]
+    config = dataclasses.replace(config, presets={
+        **config.presets, fast.name: dataclasses.replace(
+            fast, step_ms={"cpu": TEST_PACE_MS, "gpu": TEST_PACE_MS})})
+    pool = Engines(config)
     await pool.start()
     yield pool
     pool.shutdown()
@@ -39,16 +50,28 @@ def requests_seen(shared):
 async def test_one_engine_schedules_by_priority_with_every_preset_seats(shared):
     assert list(shared.engines) == [SHARED]
     engine = shared.engines[SHARED]
+    gpu = shared.gpu
+    fast, big = (shared.config.presets[p].options(gpu)
+                 for p in ("latency-first", "throughput-first"))
     assert engine.scheduler_config.policy == "priority"
-    # The engine seats both presets' turns at once; each preset keeps its own seats.
-    assert engine.max_num_seqs == 12 + 128
+    # The engine seats both presets' turns at once; each preset keeps its own seats
+    # (without a GPU 12 and 128).
+    assert engine.max_num_seqs == fast["max_num_seqs"] + big["max_num_seqs"]
     assert (shared.admission["latency-first"].running,
-            shared.admission["throughput-first"].running) == (12, 128)
+            shared.admission["throughput-first"].running) == (fast["max_num_seqs"],
+                                                              big["max_num_seqs"])
     assert shared.admission["latency-first"].line is shared.admission["throughput-first"].line
-    # Its step budget is latency-first's (it bounds every step; here 24, raised to a token
-    # a seat, vLLM's least), its memory both shares.
-    assert engine.scheduler_config.max_num_batched_tokens == 140
-    assert engine.setup.args["kv_cache_memory_bytes"] == 1 << 30
+    # Its steps are the larger preset's (Throughput-first's 8,192 tokens, whole prompts);
+    # Latency-first's own (without a GPU 24 tokens in 12-token prompt pieces) and its pace
+    # are applied by the planned scheduler while its turns run.
+    assert engine.scheduler_config.max_num_batched_tokens == big["max_num_batched_tokens"]
+    assert engine.scheduler_config.scheduler_cls.startswith("engine.scheduler.Planned")
+    own = {key: fast[key] for key in ("max_num_batched_tokens", "long_prefill_token_threshold")
+           if fast.get(key)}
+    assert engine.llm.vllm_config.additional_config["vchat_step_classes"] == {
+        "0": {**own, "step_ms": TEST_PACE_MS}}
+    if not gpu:  # its memory: both shares
+        assert engine.setup.args["kv_cache_memory_bytes"] == 1 << 30
     health = await shared.health()
     assert health["status"] == "ok"
     assert health["engines"][SHARED]["warm_up_s"] is not None
@@ -87,10 +110,14 @@ async def test_throughput_first_waits_for_cache_latency_first_keeps(shared):
     low = shared.admission["throughput-first"]
     line = low.line
     keep = shared.admission["latency-first"].keep_tokens
-    assert keep == 12 * 2 * 512  # seats x twice the longest default reply
+    seats = shared.admission["latency-first"].running
+    assert keep == seats * 2 * 512  # seats x twice the longest default reply
     per_turn = line.need(fitted(shared, "Throughput-first", max_tokens=1024).prompt_tokens
                          + 1024)
     fit = (line.kv_tokens - keep) // per_turn
+    if fit >= low.running:
+        pytest.skip(f"this device's cache holds {fit} such turns, more than the {low.running} "
+                    "seats: the cache never binds here (it does on CPU, where CI runs)")
     places = []
 
     async def told(place):
@@ -118,3 +145,45 @@ async def test_throughput_first_waits_for_cache_latency_first_keeps(shared):
     assert line.held == 0 and low.waiting == 0
     health = await shared.health()
     assert health["engines"][SHARED]["preempted"] == 0
+
+
+async def tokens_of(llm, prompt, max_tokens: int, priority: int, counts: dict, key) -> None:
+    """One request straight on vLLM's engine, counting its tokens as they come."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.7,
+                            top_p=0.9, output_kind=RequestOutputKind.DELTA)
+    counts[key] = 0
+    async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids), params,
+                                  f"steps-{uuid.uuid4().hex}", priority=priority):
+        counts[key] += len(out.outputs[0].token_ids)
+
+
+async def test_while_latency_first_runs_throughput_first_turns_take_turns(shared):
+    """The planned scheduler in vLLM's engine process: while a Latency-first turn runs, a
+    step holds it and only as many Throughput-first turns as keep its pace (here: the least
+    share, one in 8), so it advances every step and they advance a few tokens each, all
+    of them; with it gone they advance every step again."""
+    llm = shared.engines[SHARED].llm
+    prompt = fitted(shared, "Throughput-first", max_tokens=600)
+    counts: dict = {}
+    low = [asyncio.ensure_future(tokens_of(llm, prompt, 600, 1, counts, i)) for i in range(8)]
+    try:
+        while len(counts) < 8 or min(counts.values()) < 3:
+            await asyncio.sleep(0.05)
+        before = dict(counts)
+        await tokens_of(llm, fitted(shared, "Latency-first", max_tokens=48), 48, 0, counts, "lf")
+        during = {i: counts[i] - before[i] for i in range(8)}
+        # Unplanned, each would have made ~48 (one token a step, as the Latency-first turn).
+        assert sum(during.values()) <= 8 * 48 / 2, during
+        assert min(during.values()) >= 2, f"every one of them keeps its share: {during}"
+        mark = dict(counts)
+        while counts[0] - mark[0] < 40:
+            await asyncio.sleep(0.01)
+        after = [counts[i] - mark[i] for i in range(8)]
+        assert min(after) >= 30, f"alone, they run in every step again: {after}"
+    finally:
+        for task in low:
+            task.cancel()
+        await asyncio.gather(*low, return_exceptions=True)

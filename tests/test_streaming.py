@@ -58,25 +58,43 @@ def test_the_pace_slows_only_when_many_replies_stream_at_once():
     pace = Pace(fastest=0.04, slowest=0.2, events_per_s=160)
     intervals = {}
     for streams in (0, 1, 6, 16, 32, 64):
-        pace.streams = streams
-        intervals[streams] = pace.interval
+        pace.by_rank[0] = streams
+        intervals[streams] = pace.interval()
     assert intervals == {0: 0.04, 1: 0.04, 6: 0.04, 16: 0.1, 32: 0.2, 64: 0.2}
-    assert Pace(fastest=0, slowest=0).interval == 0, "0 turns coalescing off"
+    off = Pace(fastest=0, slowest=0)
+    off.by_rank.update({0: 3, 1: 5})
+    assert off.interval(0) == off.interval(1) == 0, "0 turns coalescing off"
     # With a GPU the app's core is its own: many more updates before replies slow down.
     gpu = Pace.starting_at(0.04, Pace.events_for(gpu=True))
-    gpu.streams = 64
-    assert gpu.interval == 0.04
-    gpu.streams = 256
-    assert 0.04 < gpu.interval < 0.2
+    gpu.by_rank[0] = 64
+    assert gpu.interval() == 0.04
+    gpu.by_rank[0] = 256
+    assert 0.04 < gpu.interval() < 0.2
+
+
+def test_a_higher_class_keeps_its_pace_and_the_lower_ones_share_what_is_left():
+    """Latency-first's 16 replies beside Throughput-first's 256 on a GPU (2,000 updates a
+    second in all): one interval for everyone would be 0.136 s; Latency-first keeps 0.04 s
+    (400 updates a second) and Throughput-first's 256 share the other 1,600 (0.16 s)."""
+    pace = Pace.starting_at(0.04, 2000)
+    pace.by_rank.update({0: 16, 1: 256})
+    assert pace.interval(0) == 0.04
+    assert pace.interval(1) == 0.16
+    assert pace.streams == 272
+    # A class alone, or the top class with many replies, as before.
+    pace.by_rank[0] = 0
+    assert pace.interval(1) == 0.128
+    pace.by_rank.update({0: 500, 1: 10})
+    assert pace.interval(0) == 0.2 and pace.interval(1) == 0.2, "never slower than slowest"
 
 
 async def test_a_reply_counts_on_the_pace_from_its_first_piece_until_it_ends():
     pace, sink = Pace(), Sink()
-    a, b, c = (Coalescer(sink.send, pace=pace) for _ in range(3))
+    a, b, c = (Coalescer(sink.send, pace=pace, rank=rank) for rank in (0, 1, 1))
     assert pace.streams == 0, "a reply still waiting for its first token does not count"
     for out in (a, b, c):
         await out.feed("x")
-    assert pace.streams == 3
+    assert pace.streams == 3 and pace.by_rank == {0: 1, 1: 2}
     await a.close()
     b.discard()
     b.discard()
@@ -94,7 +112,7 @@ async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing():
     engine = StandInEngine("p", EngineSetup({"model": "unused"}), tokens_per_s=1000)
     prompt = Prompt((), "", list(range(4)), 400, 400, 0)
     pace = Pace(fastest=0.04, slowest=0.2)
-    pace.streams = 64  # many replies at once: the longest interval, 0.2 s
+    pace.by_rank[0] = 64  # many replies at once: the longest interval, 0.2 s
     sink, pulls = Sink(), 0
     out = Coalescer(sink.send, pace=pace)
     async for item in engine.stream(prompt):

@@ -85,6 +85,8 @@ class ChatClient:
         self.events: list[Event] = []
         self._changed = asyncio.Event()
         self.sio.on("*", self._record)
+        self._token: str | None = None  # the last login's, for new_chat
+        self._settings: dict = {}  # the chat settings sent so far, for new_chat
 
     async def _record(self, name, data=None):
         self.events.append(Event(name, data, time.monotonic()))
@@ -110,7 +112,22 @@ class ChatClient:
     async def connect(self, wait_chat_start: bool = True, resume: str = "") -> None:
         """Log in and open a session: a new chat, or with `resume` that stored chat's id
         reopened (then it waits for the app's settings panel, the last thing it sends)."""
-        token = await self.login()
+        token = self._token = await self.login()
+        await self._open(token, wait_chat_start, resume)
+
+    async def new_chat(self) -> None:
+        """A new chat, as a browser's "New chat" button opens one: a new session on a new
+        socket, the same login, the settings sent so far sent again."""
+        await self.close()
+        self.session_id = str(uuid.uuid4())
+        self.sio = socketio.AsyncClient(reconnection=False)
+        self.sio.on("*", self._record)
+        await self._open(self._token or await self.login(), True, "")
+        if self._settings:
+            await self.settings(**self._settings)
+
+    async def _open(self, token: str, wait_chat_start: bool, resume: str) -> None:
+        since = len(self.events)
         await self.sio.connect(
             self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
             headers={"Cookie": f"access_token={token}"},
@@ -119,9 +136,9 @@ class ChatClient:
                   "chatProfile": self.profile, "threadId": resume})
         await self.sio.emit("connection_successful")
         if resume:
-            await self.wait_for("chat_settings", since=0)
+            await self.wait_for("chat_settings", since=since)
         elif wait_chat_start:  # (a stray task_end comes first on connect; skip it)
-            started = await self.wait_for("task_start", since=0)
+            started = await self.wait_for("task_start", since=since)
             await self.wait_for("task_end", since=started)
 
     async def wait_for(self, name: str, since: int, timeout: float = 300.0) -> int:
@@ -212,6 +229,7 @@ class ChatClient:
         acknowledgement, which it sends once its handler (and every message the handler
         sent) is done: no task_start/task_end wraps a settings change."""
         start = len(self.events)
+        self._settings.update(values)
         await self.sio.call("chat_settings_change", values, timeout=60)
         return self.collect(start, len(self.events))
 
@@ -220,6 +238,12 @@ class ChatClient:
 
     async def close(self) -> None:
         await self.sio.disconnect()
+
+
+def engine_of(health: dict, preset: str) -> dict:
+    """/ready's entry for the engine that runs `preset` (the one both presets share, named
+    "latency-first+throughput-first", or the preset's own)."""
+    return next(e for name, e in health["engines"].items() if preset in name.split("+"))
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,87 @@
+"""engine/steps.py's plan for each step of a shared engine, on its own (no engine): who
+sits a step out, in what order the rest are taken, and how the pace is learnt from the
+steps' durations. The engine applying it is tested in tests/test_shared_engine.py."""
+
+from engine.steps import SLOWEST_SHARE, ClassSteps, StepPlanner
+
+LF, TF = 0, 1
+PACED = {LF: ClassSteps(max_num_batched_tokens=2048, step_ms=10)}
+
+
+def running(lf: int, tf: int) -> list[tuple[str, int]]:
+    return [(f"tf{i}", TF) for i in range(tf)] + [(f"lf{i}", LF) for i in range(lf)]
+
+
+def test_alone_a_class_without_a_promise_gets_the_engines_own_steps():
+    planner = StepPlanner(PACED)
+    assert planner.plan(running(0, 5)) is None
+    assert planner.plan([]) is None
+
+
+def test_the_top_class_comes_first_and_sets_the_step_shape():
+    plan = StepPlanner(PACED).plan(running(2, 3))
+    assert sorted(plan.order, key=plan.order.get)[:2] == ["lf0", "lf1"]
+    assert plan.max_num_batched_tokens == 2048 and not plan.skip
+    # A higher class only waiting (its prompt not yet in) already shapes the step.
+    plan = StepPlanner(PACED).plan(running(0, 3), waiting=[LF])
+    assert plan.max_num_batched_tokens == 2048 and plan.lower_seats == 3
+
+
+def test_slow_steps_shrink_the_lower_seats_and_they_take_turns():
+    planner = StepPlanner(PACED)
+    now, served = 0.0, {f"tf{i}": 0 for i in range(64)}
+    for step in range(90):  # each step takes 5 ms + 0.1 ms per lower turn in it
+        plan = planner.plan(running(4, 64))
+        ids = [rid for rid in plan.order if rid not in plan.skip]
+        planner.scheduled(ids, plan.order)
+        for rid in ids:  # counted once settled
+            served[rid] = served.get(rid, 0) + (step >= 60)
+        now += 0.005 + 0.0001 * plan.lower_seats
+        planner.output(now, plan)
+    # 10 ms fits 50 lower turns: the learnt seats settle there.
+    assert 45 <= plan.lower_seats <= 55 and len(plan.skip) == 64 - plan.lower_seats
+    tf = [served[f"tf{i}"] for i in range(64)]
+    assert max(tf) - min(tf) <= 2, "they take turns: none served much more than another"
+    assert all(served[f"lf{i}"] == 30 for i in range(4)), "the top class is in every step"
+
+
+def test_every_lower_turn_keeps_a_share_of_the_steps_however_slow():
+    planner = StepPlanner(PACED)
+    now = 0.0
+    for _ in range(40):  # every step far over the pace
+        plan = planner.plan(running(4, 64))
+        planner.scheduled([r for r in plan.order if r not in plan.skip], plan.order)
+        now += 0.1
+        planner.output(now, plan)
+    assert plan.lower_seats == 64 // SLOWEST_SHARE
+
+
+def test_what_is_not_a_paced_decode_step_teaches_nothing():
+    planner = StepPlanner(PACED)
+    planner.output(1.0)
+    planner.output(1.5, None)  # a step with a prompt in it: not a measure of the pace
+    assert planner.seats is None
+    plan = planner.plan(running(1, 8))
+    planner.output(5.0, plan)  # after an idle spell: not a step's duration
+    assert planner.seats is None
+    planner.output(5.001, plan)  # quick, and nobody sat out: says nothing of more seats
+    assert planner.seats is None
+    planner.output(5.1, plan)  # 100 ms: too slow for 10 ms
+    assert planner.seats is not None and planner.seats < 8
+
+
+def test_without_a_pace_the_budget_alone_bounds_the_step_and_the_least_served_go_first():
+    planner = StepPlanner({LF: ClassSteps(max_num_batched_tokens=6,
+                                          long_prefill_token_threshold=4)})
+    first = planner.plan(running(2, 8))
+    assert first.lower_seats is None and not first.skip
+    assert first.long_prefill_token_threshold == 4
+    assert first.max_num_batched_tokens == 6  # two top turns + the one-in-8 share fit
+    taken = [r for r in sorted(first.order, key=first.order.get)][:6]
+    planner.scheduled(taken, first.order)
+    second = planner.plan(running(2, 8))
+    following = sorted(second.order, key=second.order.get)
+    assert following[:2] == ["lf0", "lf1"]
+    assert set(following[2:6]) == {f"tf{i}" for i in range(4, 8)}, "unserved ones first"
+    # Many lower turns: the budget grows to hold the top class and one lower turn in 8.
+    assert planner.plan(running(2, 64)).max_num_batched_tokens == 2 + 64 // SLOWEST_SHARE
