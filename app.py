@@ -89,6 +89,8 @@ try:
     TURN_METRICS = TurnMetrics(METRICS, log_text=setting("VCHAT_LOG_MESSAGES"))
     METRICS.register(PresetSeries(ENGINES.metric_registries))
     ProcessCollector(registry=METRICS)
+    # How late the event loop that every session shares runs what is due (chat/stalls.py).
+    LOOP_LAG = stalls.LoopLag(TURN_METRICS.loop_lag.observe)
     # /v1: the OpenAI-compatible API on the same engines (api/openai.py); CHAT_API_KEY is the
     # operator's key, accounts have their own (python -m store keys add NAME).
     API = OpenAIApi(ENGINES, CONFIG, TURN_METRICS, ApiKeys(STORE.engine).account_of,
@@ -147,6 +149,7 @@ async def start_engines() -> None:
         log.info("created the admin account %r from CHAT_ADMIN_USER", made[0])
     ENGINES.launch()
     LOGINS.start_sweeping()
+    LOOP_LAG.start()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
     SETTLING.add(task := asyncio.create_task(settle_after_start()))  # referenced till done
     task.add_done_callback(SETTLING.discard)
@@ -167,6 +170,7 @@ async def settle_after_start() -> None:
 
 @cl.on_app_shutdown
 async def stop_engines() -> None:
+    LOOP_LAG.stop()
     ENGINES.shutdown()
 
 
@@ -283,6 +287,7 @@ async def settings_update(values: dict) -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     """Check the message, answer it; whatever goes wrong, the user gets a plain message."""
+    arrived = GUARD.arrival(cl.context.session.id)  # taken whatever happens to the message
     conv: Conversation = cl.user_session.get("conversation")
     if SHUTDOWN.closing:
         TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
@@ -299,7 +304,8 @@ async def on_message(message: cl.Message) -> None:
                                        reason="message", message=message.content[:1000]))
         await cl.Message(content=str(exc)).send()
         return
-    await TURNS.take(conv, Message("user", checked.text), message.id, checked.notice)
+    await TURNS.take(conv, Message("user", checked.text), message.id, checked.notice,
+                     arrived=arrived)
 
 
 @cl.action_callback(REGENERATE)

@@ -35,6 +35,18 @@ def ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
+def bucket_quantile(before: dict[float, float], after: dict[float, float],
+                    q: float = 0.95) -> float | None:
+    """The `q` quantile, as its bucket's upper bound, of what a Prometheus histogram
+    observed between two scrapes (cumulative counts by `le`); None when it observed
+    nothing."""
+    grown = sorted((le, after.get(le, 0.0) - before.get(le, 0.0)) for le in after)
+    total = grown[-1][1] if grown else 0.0
+    if total <= 0:
+        return None
+    return next(le for le, count in grown if count >= q * total)
+
+
 def stream_figures(client, start: int, sent: float) -> dict | None:
     """One reply's TTFT, tok/s and update gaps, from a ChatClient's events after `start`."""
     times = [e.at for e in client.events[start:] if e.name in ("stream_start", "stream_token")]

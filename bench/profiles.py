@@ -12,9 +12,12 @@ On one server, in this order (N: --sessions, 16; replies of --reply tokens, 256)
                 --long-tokens arrive, one every --long-every-s, each in a new chat, against
                 the same users alone (update gap p95)
   saturated     --load Throughput-first sessions stream --load-reply-token replies all
-                along, each in a new chat, their starts spread over --load-stagger-s; pairs: N Throughput-first probes alone (Throughput-first alone at
+                along, each in a new chat, their starts spread over --load-stagger-s;
+                pairs: N Throughput-first probes alone (Throughput-first alone at
                 --load + N sessions) against N + N probes (total tok/s from vLLM's counters
-                over each burst; preemptions over the phase)
+                over each burst; preemptions over the phase; where a first token's time
+                went: the app's and this client's event-loop lag, Latency-first's TTFT
+                inside the app)
 Each phase starts with every engine's seats empty (/ready). Replies run to their max
 tokens (VCHAT_BENCH_IGNORE_EOS). Per stream: TTFT (send to first token), tok/s (tokens over
 first to last token), update gaps (between streamed events). Pairs alternate their order.
@@ -30,15 +33,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import platform
 import random
 import re
+import sys
 import time
 
 import httpx
 import yaml
 
 from bench.cli import whole_number
-from bench.profile_figures import LF, TF, ratio, stream_figures, summary, targets
+from bench.run import versions
+from bench.profile_figures import (LF, TF, bucket_quantile, pct, ratio, stream_figures,
+                                   summary, targets)
+from chat.stalls import LoopLag
 from tools.chainlit_client import ROOT, ChatClient, Server
 
 ASK = "Write a long story about a lighthouse keeper."
@@ -94,25 +103,56 @@ async def burst(lf: list[ChatClient], tf: list[ChatClient]) -> dict:
     return {LF: summary(done[:len(lf)]), TF: summary(done[len(lf):])}
 
 
-async def counters(url: str) -> dict[str, float]:
-    """vLLM's generated tokens and preemptions so far, all engines together (/metrics)."""
+LAG = "vchat_event_loop_lag_seconds"
+ENGINE_TTFT = "vchat_time_to_first_token_seconds"
+APP_TTFT = "vchat_app_time_to_first_token_seconds"
+BUCKET = re.compile(r'^(\w+)_bucket\{(.*)\} (\S+)$')
+
+
+async def counters(url: str) -> dict:
+    """vLLM's generated tokens and preemptions so far, all engines together, and the app's
+    event-loop lag and Latency-first's TTFT histograms, the engine's and the app's
+    (cumulative by `le`), from /metrics."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(url + "/metrics")).text
-    out = {"tokens": 0.0, "preempted": 0.0}
+    out: dict = {"tokens": 0.0, "preempted": 0.0, LAG: {}, ENGINE_TTFT: {}, APP_TTFT: {}}
     for line in text.splitlines():
         for key, name in (("tokens", "vllm:generation_tokens_total"),
                           ("preempted", "vllm:num_preemptions_total")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] += float(line.rsplit(" ", 1)[1])
+        bucket = BUCKET.match(line)
+        if bucket and bucket[1] in (LAG, ENGINE_TTFT, APP_TTFT):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', bucket[2]))
+            if bucket[1] == LAG or labels.get("profile") == LF:
+                out[bucket[1]][float(labels["le"])] = float(bucket[3])
     return out
 
 
-async def measured(url: str, work) -> tuple[object, float]:
-    """`work`'s result and the engines' generated tokens a second while it ran."""
+async def measured(url: str, work) -> tuple[object, float, dict]:
+    """`work`'s result, the engines' generated tokens a second while it ran, and where its
+    time went in the app: how late the app's event loop ran what was due (p95), how late
+    this client's did (the figures are taken here: a late client shows as a late token),
+    the app's longest stall (its bucket's bound: a collection, a blocking call),
+    and Latency-first's TTFT inside the app, from the engine's call to its first token and
+    from the message's arrival to its first token sent (p95s; turns that finished
+    meanwhile). Quantiles of histograms: their buckets' upper bounds."""
+    client_lag: list[float] = []
+    watch = LoopLag(client_lag.append, every_s=0.05)
+    watch.start()
     before, t0 = await counters(url), time.monotonic()
-    result = await work
+    try:
+        result = await work
+    finally:
+        watch.stop()
     after, t1 = await counters(url), time.monotonic()
-    return result, (after["tokens"] - before["tokens"]) / (t1 - t0)
+    app = {"app_loop_lag_p95_s": bucket_quantile(before[LAG], after[LAG]),
+           "app_loop_lag_max_s": bucket_quantile(before[LAG], after[LAG], 1.0),
+           "client_loop_lag_p95_s": pct(client_lag, 95),
+           "client_loop_lag_max_s": pct(client_lag, 100),
+           "lf_engine_ttft_p95_s": bucket_quantile(before[ENGINE_TTFT], after[ENGINE_TTFT]),
+           "lf_app_ttft_p95_s": bucket_quantile(before[APP_TTFT], after[APP_TTFT])}
+    return result, (after["tokens"] - before["tokens"]) / (t1 - t0), app
 
 
 async def settled(server: Server, timeout: float = 300) -> None:
@@ -275,9 +315,9 @@ async def saturated(out: dict, args, server: Server, lf, tf) -> None:
         for n in range(args.pairs):
             runs = {"seats_before": await seats_now(server)}
             for which in (("both", "alone") if n % 2 == 0 else ("alone", "both")):
-                probes, total = await measured(server.url, burst(lf if which == "both"
-                                                                 else [], tf))
-                runs[which] = {"probes": probes, "total_tok_s": round(total)}
+                probes, total, app = await measured(server.url, burst(lf if which == "both"
+                                                                      else [], tf))
+                runs[which] = {"probes": probes, "total_tok_s": round(total), **app}
             runs["total_ratio"] = ratio(runs["both"]["total_tok_s"],
                                         runs["alone"]["total_tok_s"])
             out["saturated"].append(runs)
@@ -319,12 +359,15 @@ async def run(args) -> dict:
             await saturated(out, args, server, lf, tf[:args.sessions])
         out["targets"] = targets(out)
         out["health_at_end"] = await server.get("/ready")
-        return out
     finally:
         server.stop()
         if args.log:
             with open(args.log, "w") as log:
                 log.write(server.log_path.read_text(errors="replace")[-200_000:])
+    # Once the server is gone (torch in this process only now, no GPU context beside it).
+    out["machine"] = {"arch": platform.machine(), "cores": os.cpu_count(), **versions()}
+    out["command"] = "python -m bench.profiles " + " ".join(sys.argv[1:])
+    return out
 
 
 PHASES = ("first", "one", "light", "long", "saturated")

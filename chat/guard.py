@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from urllib.parse import urlsplit
 
 from chainlit import server as chainlit_server
@@ -90,6 +91,9 @@ def user_message(payload) -> dict | None:
 class Guard:
     def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool):
         self.logins, self.store, self.sharing = logins, store, sharing
+        # When each session's last message reached the server, until its turn takes it
+        # (`arrival`): a turn's first token is timed from there (chat/metrics.py).
+        self._arrived: dict[str, float] = {}
         self.router = APIRouter()
         route = self.router.add_api_route
         route("/project/action", self.action, methods=["POST"])
@@ -139,6 +143,7 @@ class Guard:
         return await self._connect(sid, environ, auth)
 
     async def message(self, sid, payload=None):
+        arrived = time.monotonic()
         session = await self._live_session(sid)
         if session is None:
             return
@@ -146,7 +151,13 @@ class Guard:
         if checked is None:
             await self._tell(session, NOT_READ)
             return
+        self._arrived[session.id] = arrived
         return await self._message(sid, checked)
+
+    def arrival(self, session_id: str) -> float | None:
+        """When the message now being answered in this session reached the server
+        (time.monotonic); None for one that did not come through the socket."""
+        return self._arrived.pop(session_id, None)
 
     async def edit(self, sid, payload=None):
         session = await self._live_session(sid)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engine import TurnStats
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 turn_log = logging.getLogger("vchat.turns")
 
 
@@ -32,15 +34,23 @@ class TurnRecord:
     request_id: str | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # in the engine: from its request to its first token
+    app_ttft_ms: float | None = None  # in the app: from the message's arrival to the first
+    # token handed to the socket (the engine's part, the database's check of the login, the
+    # history's fitting, the event loop's queue)
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     reason: str | None = None  # why it was refused
     message: str | None = None
     reply: str | None = None
+    arrived: float | None = None  # time.monotonic() of the message's arrival; not logged
+
+    def first_token_sent(self) -> None:
+        if self.app_ttft_ms is None and self.arrived is not None:
+            self.app_ttft_ms = round((time.monotonic() - self.arrived) * 1000, 1)
 
     def fields(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "arrived"}
 
     def line(self) -> str:
         return "turn " + " ".join(f"{k}={v!r}" if isinstance(v, str) and " " in v else f"{k}={v}"
@@ -93,6 +103,14 @@ class TurnMetrics:
                               "in the engine, finished turns", by, buckets=TTFT_BUCKETS,
                               registry=registry)
 
+        self.app_ttft = Histogram("vchat_app_time_to_first_token_seconds", "Time from a "
+                                  "message's arrival to its reply's first token sent, "
+                                  "finished turns", by, buckets=TTFT_BUCKETS,
+                                  registry=registry)
+        self.loop_lag = Histogram("vchat_event_loop_lag_seconds", "How late the app's event "
+                                  "loop ran a timer that was due (chat/stalls.py)",
+                                  buckets=LAG_BUCKETS, registry=registry)
+
     def refuse(self, record: TurnRecord) -> None:
         """A message refused before its turn began."""
         self.refused.labels(record.profile, record.reason).inc()
@@ -118,6 +136,8 @@ class TurnMetrics:
             self.output_tokens.labels(profile).inc(stats.output_tokens)
             if stats.ttft_s is not None:
                 self.ttft.labels(profile).observe(stats.ttft_s)
+            if record.app_ttft_ms is not None:
+                self.app_ttft.labels(profile).observe(record.app_ttft_ms / 1000)
         if record.outcome == "refused":
             record.reason = "turn"
             self.refused.labels(profile, record.reason).inc()

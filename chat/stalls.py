@@ -16,13 +16,19 @@ with 256 users sending at once nobody saw a first token for about a second):
    Chainlit and the tokenizer are loaded, more with vLLM's front end): ~0.4 s on this
    machine, during which no session moves. `freeze_heap()` moves what the process keeps
    for its whole life out of those walks (gc.freeze).
+
+What is left shows as lag: `LoopLag` sets a timer now and then and measures how late the
+loop runs it; the app exports that as `vchat_event_loop_lag_seconds` (/metrics), so a slow
+first token can be told apart from a slow engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 CONSTRUCTOR_PAUSE_S = 0.001  # the sleep in Message.__init__ and Step.__init__
@@ -85,3 +91,30 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class LoopLag:
+    """Every `every_s`, how long after its time the event loop ran a timer that was due
+    (`observe(seconds)`). A loop that keeps up runs it within a millisecond; a busy one
+    runs it after every callback queued before it, and every session waits as long for
+    each step it takes."""
+
+    def __init__(self, observe: Callable[[float], None], every_s: float = 0.1):
+        self.observe, self.every_s = observe, every_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Idempotent; in the running loop, until `stop`."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.every_s
+            await asyncio.sleep(self.every_s)
+            self.observe(max(0.0, loop.time() - due))

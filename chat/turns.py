@@ -76,11 +76,13 @@ class Turns:
         self._tasks: set[asyncio.Task] = set()  # regenerated answers, referenced till done
 
     async def take(self, conv: Conversation, user: Message, message_id: str,
-                   notice: str | None = None) -> None:
+                   notice: str | None = None, arrived: float | None = None) -> None:
         """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
-        Counted and logged once, however it ends."""
+        Counted and logged once, however it ends. `arrived`: when the message reached the
+        server (time.monotonic), for the turn's first token as the app sends it."""
         profile = conv.profile.name
         record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
+        record.arrived = arrived
         self.metrics.begin(profile)
         try:
             with self.shutdown.turn():
@@ -164,7 +166,7 @@ class Turns:
                                       max_tokens=conv.settings.max_tokens)
             for notice in conv.notices(prompt):
                 await cl.Message(content=notice).send()
-            stats = await self._stream_reply(conv, prompt, reply, note)
+            stats = await self._stream_reply(conv, prompt, reply, note, record)
         except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
             record.reply = reply.content
             await self._end_early(conv, user, reply, message_id)
@@ -194,7 +196,7 @@ class Turns:
             await cl.Message(content=NOT_SAVED).send()
 
     async def _stream_reply(self, conv: Conversation, prompt: Prompt, reply: cl.Message,
-                            note: WaitNote) -> TurnStats:
+                            note: WaitNote, record: TurnRecord) -> TurnStats:
         """Stream the reply into `reply` as the engine writes it; the turn's stats at the
         end."""
         out = Coalescer(reply.stream_token, pace=self.pace,
@@ -208,6 +210,7 @@ class Turns:
                 if isinstance(item, TurnStats):
                     stats = item
                 else:
+                    record.first_token_sent()
                     await out.feed(item)  # pulls the engine once per update
             await out.close()
         finally:

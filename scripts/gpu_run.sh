@@ -18,6 +18,8 @@
 #                                                  through the app) for each engine layout
 #                                                  (shared, per-preset), in the background
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
+# With VCHAT_SAMPLE_STACKS=DIR/stacks:START_S:STOP_S set, the app's process samples its own
+# stacks (tools/stack_sampler.py): where its event loop's time goes, under load.
 # Through the device tool: run(command="scripts/gpu_run.sh $OUT tests", carry=[".gpu"]).
 # A bench (~15 min) outlasts one device call (10 min): bench-start it, then `wait` in the
 # next calls while the machine is still warm.
@@ -34,6 +36,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
 export VCHAT_CACHE_DIR=/tmp/vchat-cache
+# VCHAT_SAMPLE_STACKS=OUT/stacks:START_S:STOP_S: the app's main thread sampled in that window
+# of its life (tools/stack_sampler.py), written to OUT/stacks.PID (vLLM's engine process,
+# spawned with the app's command line, writes its own); no profiler can be installed there.
+if [ -n "${VCHAT_SAMPLE_STACKS:-}" ]; then
+  echo "from tools.stack_sampler import from_env; from_env()" > /tmp/site/sitecustomize.py
+else
+  rm -f /tmp/site/sitecustomize.py
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import sys, torch, vllm, chainlit; print(sys.version.split()[0], "torch", torch.__version__, "vllm", vllm.__version__, "chainlit", chainlit.__version__ if hasattr(chainlit, "__version__") else "")'
 } 2>&1 | tee "$out/versions.txt"
@@ -73,7 +83,7 @@ case "$step" in
     while [ ! -f "$dir/done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done
     [ -f "$dir/done" ] && echo "bench finished" || echo "bench still running after ${waited} s"
     tail -c 3000 "$dir/bench.log"
-    cp "$dir"/gpu-h200* "$dir"/bench.log "$out/" 2>/dev/null
+    cp "$dir"/gpu-h200* "$dir"/bench.log "$dir"/stacks.* "$out/" 2>/dev/null
     [ -f "$dir/done" ] && cp "$dir"/server-*.log "$out/" 2>/dev/null; true ;;
   tune)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.tune --name gpu-h200-tune "$@" > "$out/tune.log" 2>&1

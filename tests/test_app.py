@@ -101,11 +101,17 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
                for name in engines if name != fast)
     assert grew("vllm:time_to_first_token_seconds_count", preset=fast) == 1
     assert series(after, "vchat_turns_running", profile="Latency-first") == 0
+    # The first token timed from the message's arrival (the app's part included) as well.
+    assert grew("vchat_app_time_to_first_token_seconds_count", profile="Latency-first") == 1
+    # The app's event loop is watched from the start (chat/stalls.py, LoopLag).
+    assert series(after, "vchat_event_loop_lag_seconds_count") > series(
+        before, "vchat_event_loop_lag_seconds_count") > 0
     turns = [json.loads(line) for line in server.log().splitlines()
              if line.startswith("{") and '"event": "turn"' in line]
     mine = [t for t in turns if t.get("outcome") == "finished"][-1]
     assert mine["profile"] == "Latency-first" and mine["preset"] == "latency-first"
     assert mine["user"] and mine["request_id"] and mine["output_tokens"] >= 1
+    assert mine["app_ttft_ms"] >= mine["ttft_ms"] > 0 and "arrived" not in mine
     assert "A question for the metrics" not in server.log()
 
 

@@ -119,3 +119,15 @@ def test_the_profiles_figures_merge_a_rerun_phase_and_check_the_targets():
     assert got("saturated: total tok/s") == 0.9
     assert all(holds(t) for t in run["targets"] if t["measured"] is not None)
     assert got("long prompts:") is None  # not run
+
+
+def test_a_histograms_quantile_between_two_scrapes_counts_only_what_grew():
+    """bench/profiles.py reads the app's loop lag and engine TTFT from /metrics: the
+    quantile of the observations made between two scrapes, as a bucket's upper bound."""
+    from bench.profile_figures import bucket_quantile
+    before = {0.01: 90.0, 0.1: 100.0, 1.0: 100.0, float("inf"): 100.0}
+    after = {0.01: 95.0, 0.1: 180.0, 1.0: 199.0, float("inf"): 200.0}  # 100 more: 5, 80, 14, 1
+    assert bucket_quantile(before, after, 0.5) == 0.1
+    assert bucket_quantile(before, after, 0.95) == 1.0
+    assert bucket_quantile(before, after, 0.999) == float("inf")
+    assert bucket_quantile(after, after) is None  # nothing observed meanwhile

@@ -3,6 +3,7 @@ server's /metrics after real turns: tests/test_app.py)."""
 
 import json
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,3 +79,30 @@ def test_message_text_is_logged_only_when_asked(caplog):
     record = json.loads(JsonLines().format(caplog.records[-1]))
     assert (record["message"], record["reply"], record["outcome"]) == (
         "the question", "half an", "stopped")
+
+
+def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
+    """The app's TTFT (arrival to the first token sent: the engine's part and the app's
+    before it) beside the engine's; once per turn, and the arrival itself is not logged."""
+    registry = CollectorRegistry()
+    turns = TurnMetrics(registry)
+    record = TurnRecord("finished", "ann", "Latency-first")
+    record.arrived = time.monotonic() - 0.2  # came in 200 ms ago
+    record.first_token_sent()
+    first = record.app_ttft_ms
+    record.first_token_sent()  # later tokens leave it as it was
+    assert record.app_ttft_ms == first and 200 <= first < 10_000
+    with caplog.at_level(logging.INFO, logger="vchat.turns"):
+        turns.begin("Latency-first")
+        turns.end(record, TurnStats("chat-1", "latency-first", 30, 12, 0.05, 0.5, "stop"))
+    found = samples(registry)
+    assert found[("vchat_app_time_to_first_token_seconds_count",
+                  (("profile", "Latency-first"),))] == 1
+    assert found[("vchat_app_time_to_first_token_seconds_sum",
+                  (("profile", "Latency-first"),))] == first / 1000
+    line = json.loads(JsonLines().format(
+        next(r for r in caplog.records if r.name == "vchat.turns")))
+    assert line["app_ttft_ms"] == first and line["ttft_ms"] == 50.0 and "arrived" not in line
+    unsent = TurnRecord("finished", "bob", "Latency-first")  # no arrival: an edit, the API
+    unsent.first_token_sent()
+    assert unsent.app_ttft_ms is None

@@ -1,5 +1,6 @@
 """chat/stalls.py: what would stop the event loop every chat session shares."""
 
+import asyncio
 import gc
 import time
 from datetime import datetime
@@ -72,3 +73,45 @@ def test_the_long_lived_heap_is_left_out_of_collections():
         del young
     finally:
         gc.unfreeze()  # the rest of the test session as it was
+
+
+async def test_loop_lag_sees_a_blocked_loop_and_nothing_when_it_keeps_up():
+    """The timer comes back on time while the loop is idle; blocked for 0.3 s, it comes
+    back that late, and the lag says so."""
+    seen: list[float] = []
+    lag = stalls.LoopLag(seen.append, every_s=0.02)
+    lag.start()
+    lag.start()  # idempotent: one watcher
+    await asyncio.sleep(0.2)
+    idle = list(seen)
+    time.sleep(0.3)  # a callback that blocks the loop
+    await asyncio.sleep(0.1)
+    lag.stop()
+    await asyncio.sleep(0.05)
+    after = len(seen)
+    await asyncio.sleep(0.1)
+    assert 1 <= len(idle) <= 10  # one watcher, every 20 ms (two would make ~20)
+    assert max(seen) >= 0.25 > max(idle)
+    assert len(seen) == after  # stopped
+
+
+def test_the_stack_sampler_counts_where_the_main_thread_is_and_writes_collapsed_stacks(
+        tmp_path):
+    """tools/stack_sampler.py, the diagnostic that the H200 runs load into the app: it
+    samples the main thread inside its window and writes 'outer;inner count' lines."""
+    from tools.stack_sampler import StackSampler
+
+    def spin_for_the_sampler(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sum(range(100))
+
+    sampler = StackSampler(str(tmp_path / "stacks"), start_s=0.0, stop_s=0.6, every_s=0.005)
+    sampler.start()
+    spin_for_the_sampler(0.8)
+    time.sleep(0.1)  # the sampler's last write
+    lines = (tmp_path / "stacks").read_text().splitlines()
+    counts = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in lines}
+    spinning = sum(n for stack, n in counts.items() if "spin_for_the_sampler" in stack)
+    assert spinning >= 0.8 * sum(counts.values()) > 0
+    assert all(";" in stack for stack in counts)  # whole stacks, outermost first
