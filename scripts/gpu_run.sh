@@ -37,8 +37,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_M
   NVSHMEM_DISABLE_NVLS=1
 export VCHAT_CACHE_DIR=/tmp/vchat-cache
 # VCHAT_SAMPLE_STACKS=OUT/stacks:START_S:STOP_S: the app's main thread sampled in that window
-# of its life (tools/stack_sampler.py), written to OUT/stacks.PID (vLLM's engine process,
-# spawned with the app's command line, writes its own); no profiler can be installed there.
+# of its life (tools/stack_sampler.py), written to OUT/stacks.main.PID (vLLM's engine process,
+# spawned with the app's command line: stacks.spawned.PID); no profiler can be installed there.
 if [ -n "${VCHAT_SAMPLE_STACKS:-}" ]; then
   echo "from tools.stack_sampler import from_env; from_env()" > /tmp/site/sitecustomize.py
 else

@@ -13,11 +13,14 @@ PYTHONPATH holding a sitecustomize.py that calls `from_env()`):
     VCHAT_SAMPLE_STACKS=out.txt:150:230 (path:start_s:stop_s), only in processes whose
     command line contains VCHAT_SAMPLE_MATCH (default "app.py"), checked at start_s: while
     sitecustomize runs, `python -m chainlit run app.py` has no module name in sys.argv yet.
+    Each such process writes `path.main.PID`, or `path.spawned.PID` where multiprocessing
+    spawned it (vLLM's engine process, which is given the app's command line).
 """
 
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import os
 import sys
 import threading
@@ -38,8 +41,8 @@ def stack_of(frame) -> str:
 
 class StackSampler:
     def __init__(self, path: str, start_s: float, stop_s: float, every_s: float = TICK_S,
-                 match: str = ""):
-        self.match = match
+                 match: str = "", named: bool = False):
+        self.match, self.named = match, named  # named: the file's name gets role and pid
         self.path, self.start_s, self.stop_s, self.every_s = path, start_s, stop_s, every_s
         self.counts: collections.Counter[str] = collections.Counter()
         self.main = threading.main_thread().ident
@@ -52,6 +55,9 @@ class StackSampler:
         time.sleep(max(0.0, self.start_s - (time.monotonic() - self.began)))
         if self.match not in " ".join(sys.argv):
             return
+        if self.named:  # vLLM's engine process is spawned with the app's command line
+            role = "spawned" if multiprocessing.parent_process() is not None else "main"
+            self.path = f"{self.path}.{role}.{os.getpid()}"
         written = time.monotonic()
         while time.monotonic() - self.began < self.stop_s:
             frame = sys._current_frames().get(self.main)
@@ -75,7 +81,7 @@ def from_env() -> StackSampler | None:
     if not spec:
         return None
     path, start_s, stop_s = spec.rsplit(":", 2)
-    sampler = StackSampler(f"{path}.{os.getpid()}", float(start_s), float(stop_s),
-                           match=os.environ.get("VCHAT_SAMPLE_MATCH", "app.py"))
+    sampler = StackSampler(path, float(start_s), float(stop_s),
+                           match=os.environ.get("VCHAT_SAMPLE_MATCH", "app.py"), named=True)
     sampler.start()
     return sampler
