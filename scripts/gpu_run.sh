@@ -18,7 +18,7 @@
 #                                                  through the app) for each engine layout
 #                                                  (shared, per-preset), in the background
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
-# With VCHAT_SAMPLE_STACKS=DIR/stacks:START_S:STOP_S set, the app's process samples its own
+# With STACK_SAMPLES=DIR/stacks:START_S:STOP_S set, the app's process samples its own
 # stacks (tools/stack_sampler.py): where its event loop's time goes, under load.
 # Through the device tool: run(command="scripts/gpu_run.sh $OUT tests", carry=[".gpu"]).
 # A bench (~15 min) outlasts one device call (10 min): bench-start it, then `wait` in the
@@ -36,10 +36,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
 export VCHAT_CACHE_DIR=/tmp/vchat-cache
-# VCHAT_SAMPLE_STACKS=OUT/stacks:START_S:STOP_S: the app's main thread sampled in that window
+# STACK_SAMPLES=OUT/stacks:START_S:STOP_S: the app's main thread sampled in that window
 # of its life (tools/stack_sampler.py), written to OUT/stacks.main.PID (vLLM's engine process,
 # spawned with the app's command line: stacks.spawned.PID); no profiler can be installed there.
-if [ -n "${VCHAT_SAMPLE_STACKS:-}" ]; then
+if [ -n "${STACK_SAMPLES:-}" ]; then
   echo "from tools.stack_sampler import from_env; from_env()" > /tmp/site/sitecustomize.py
 else
   rm -f /tmp/site/sitecustomize.py

@@ -10,8 +10,8 @@ picture of what holds the event loop, not a precise one.
 
 Loaded into a server that cannot be changed, through `sitecustomize` (a folder first on
 PYTHONPATH holding a sitecustomize.py that calls `from_env()`):
-    VCHAT_SAMPLE_STACKS=out.txt:150:230 (path:start_s:stop_s), only in processes whose
-    command line contains VCHAT_SAMPLE_MATCH (default "app.py"), checked at start_s: while
+    STACK_SAMPLES=out.txt:150:230 (path:start_s:stop_s), only in processes whose
+    command line contains STACK_SAMPLES_MATCH (default "app.py"), checked at start_s: while
     sitecustomize runs, `python -m chainlit run app.py` has no module name in sys.argv yet.
     Each such process writes `path.main.PID`, or `path.spawned.PID` where multiprocessing
     spawned it (vLLM's engine process, which is given the app's command line).
@@ -77,11 +77,11 @@ class StackSampler:
 
 
 def from_env() -> StackSampler | None:
-    spec = os.environ.get("VCHAT_SAMPLE_STACKS")
+    spec = os.environ.get("STACK_SAMPLES")
     if not spec:
         return None
     path, start_s, stop_s = spec.rsplit(":", 2)
     sampler = StackSampler(path, float(start_s), float(stop_s),
-                           match=os.environ.get("VCHAT_SAMPLE_MATCH", "app.py"), named=True)
+                           match=os.environ.get("STACK_SAMPLES_MATCH", "app.py"), named=True)
     sampler.start()
     return sampler
