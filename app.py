@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from starlette.responses import JSONResponse, Response
 
 from api.openai import OpenAIApi
-from chat import stalls
+from chat import forget, stalls
 from chat.guard import Guard
 from chat.input import check_message
 from chat.logins import Logins
@@ -49,6 +49,8 @@ CHAINLIT_ROUTES = {id(route) for route in http.router.routes}
 stalls.skip_constructor_pause()
 # Its page fetches a font and a stylesheet from other origins: not here (chat/page.py).
 serve_own_origin_only()
+# It keeps every chat session's messages after the session is gone: not here.
+forget.install()
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")
@@ -79,7 +81,8 @@ try:
     # account or changing its password ends it everywhere (chat/logins.py). What clients
     # send is checked where it enters, bodies bounded, origins kept to this server's and
     # the ones listed in .chainlit/config.toml (chat/guard.py).
-    LOGINS = Logins(LoginSessions(STORE.engine), chainlit_config.project.user_session_timeout)
+    LOGINS = Logins(LoginSessions(STORE.engine, STORE.reader),
+                    chainlit_config.project.user_session_timeout)
     GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
@@ -91,6 +94,10 @@ try:
     ProcessCollector(registry=METRICS)
     # How late the event loop that every session shares runs what is due (chat/stalls.py).
     LOOP_LAG = stalls.LoopLag(TURN_METRICS.loop_lag.observe)
+    GC_PAUSES = stalls.GcPauses(TURN_METRICS.gc_paused)  # and how long collections stop it
+    for _what in ("sessions", "message_lists"):  # what stays of chats in memory
+        TURN_METRICS.sessions_held.labels(_what).set_function(
+            lambda what=_what: forget.held()[what])
     # /v1: the OpenAI-compatible API on the same engines (api/openai.py); CHAT_API_KEY is the
     # operator's key, accounts have their own (python -m store keys add NAME).
     API = OpenAIApi(ENGINES, CONFIG, TURN_METRICS, ApiKeys(STORE.engine).account_of,
@@ -150,6 +157,7 @@ async def start_engines() -> None:
     ENGINES.launch()
     LOGINS.start_sweeping()
     LOOP_LAG.start()
+    GC_PAUSES.start()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
     SETTLING.add(task := asyncio.create_task(settle_after_start()))  # referenced till done
     task.add_done_callback(SETTLING.discard)
@@ -160,6 +168,7 @@ async def settle_after_start() -> None:
     its engines keep for life out of the collector's walks, which would otherwise stop
     every session for a while (chat/stalls.py)."""
     stalls.freeze_heap()
+    stalls.collect_less_often(setting("VCHAT_GC_YOUNG_OBJECTS"))
     with contextlib.suppress(ChatError):  # a failed start is reported elsewhere
         await ENGINES.ready()
     PACE.events_per_s = setting("VCHAT_STREAM_EVENTS_PER_S") or Pace.events_for(bool(ENGINES.gpu))
@@ -171,6 +180,7 @@ async def settle_after_start() -> None:
 @cl.on_app_shutdown
 async def stop_engines() -> None:
     LOOP_LAG.stop()
+    GC_PAUSES.stop()
     ENGINES.shutdown()
 
 

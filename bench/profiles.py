@@ -106,25 +106,30 @@ async def burst(lf: list[ChatClient], tf: list[ChatClient]) -> dict:
 LAG = "vchat_event_loop_lag_seconds"
 ENGINE_TTFT = "vchat_time_to_first_token_seconds"
 APP_TTFT = "vchat_app_time_to_first_token_seconds"
+GC = "vchat_gc_pause_seconds"
 BUCKET = re.compile(r'^(\w+)_bucket\{(.*)\} (\S+)$')
 
 
 async def counters(url: str) -> dict:
-    """vLLM's generated tokens and preemptions so far, all engines together, and the app's
-    event-loop lag and Latency-first's TTFT histograms, the engine's and the app's
-    (cumulative by `le`), from /metrics."""
+    """vLLM's generated tokens and preemptions so far, all engines together; the app's
+    event-loop lag, its full garbage collections' pauses and Latency-first's TTFT
+    histograms, the engine's and the app's (cumulative by `le`); the time all collections
+    stopped the app; from /metrics."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(url + "/metrics")).text
-    out: dict = {"tokens": 0.0, "preempted": 0.0, LAG: {}, ENGINE_TTFT: {}, APP_TTFT: {}}
+    out: dict = {"tokens": 0.0, "preempted": 0.0, "gc_s": 0.0, LAG: {}, ENGINE_TTFT: {},
+                 APP_TTFT: {}, GC: {}}
     for line in text.splitlines():
         for key, name in (("tokens", "vllm:generation_tokens_total"),
-                          ("preempted", "vllm:num_preemptions_total")):
+                          ("preempted", "vllm:num_preemptions_total"),
+                          ("gc_s", GC + "_sum")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] += float(line.rsplit(" ", 1)[1])
         bucket = BUCKET.match(line)
-        if bucket and bucket[1] in (LAG, ENGINE_TTFT, APP_TTFT):
+        if bucket and bucket[1] in (LAG, ENGINE_TTFT, APP_TTFT, GC):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', bucket[2]))
-            if bucket[1] == LAG or labels.get("profile") == LF:
+            if bucket[1] == LAG or labels.get("profile") == LF or \
+                    labels.get("generation") == "2":
                 out[bucket[1]][float(labels["le"])] = float(bucket[3])
     return out
 
@@ -136,7 +141,8 @@ async def measured(url: str, work) -> tuple[object, float, dict]:
     the app's longest stall (its bucket's bound: a collection, a blocking call),
     and Latency-first's TTFT inside the app, from the engine's call to its first token and
     from the message's arrival to its first token sent (p95s; turns that finished
-    meanwhile). Quantiles of histograms: their buckets' upper bounds."""
+    meanwhile), and how long garbage collections stopped the app (in all; the longest full
+    one). Quantiles of histograms: their buckets' upper bounds."""
     client_lag: list[float] = []
     watch = LoopLag(client_lag.append, every_s=0.05)
     watch.start()
@@ -151,7 +157,9 @@ async def measured(url: str, work) -> tuple[object, float, dict]:
            "client_loop_lag_p95_s": pct(client_lag, 95),
            "client_loop_lag_max_s": pct(client_lag, 100),
            "lf_engine_ttft_p95_s": bucket_quantile(before[ENGINE_TTFT], after[ENGINE_TTFT]),
-           "lf_app_ttft_p95_s": bucket_quantile(before[APP_TTFT], after[APP_TTFT])}
+           "lf_app_ttft_p95_s": bucket_quantile(before[APP_TTFT], after[APP_TTFT]),
+           "app_gc_paused_s": round(after["gc_s"] - before["gc_s"], 3),
+           "app_full_gc_max_s": bucket_quantile(before[GC], after[GC], 1.0)}
     return result, (after["tokens"] - before["tokens"]) / (t1 - t0), app
 
 
@@ -326,6 +334,8 @@ async def saturated(out: dict, args, server: Server, lf, tf) -> None:
         await loop.stop()
     end = await counters(server.url)
     out["saturated_preempted"] = end["preempted"] - start["preempted"]
+    out["saturated_gc"] = {"paused_s": round(end["gc_s"] - start["gc_s"], 3),
+                           "full_max_s": bucket_quantile(start[GC], end[GC], 1.0)}
     out["saturated_load"] = {"sessions": args.load, "reply_tokens": args.load_reply,
                              "turns_refused_or_failed": loop.refused}
 

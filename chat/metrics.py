@@ -110,6 +110,16 @@ class TurnMetrics:
         self.loop_lag = Histogram("vchat_event_loop_lag_seconds", "How late the app's event "
                                   "loop ran a timer that was due (chat/stalls.py)",
                                   buckets=LAG_BUCKETS, registry=registry)
+        self.sessions_held = Gauge("vchat_chat_sessions_held", "What the app holds in "
+                                   "memory of chat sessions: the sessions (open, or closed "
+                                   "and kept for a reconnect) and their message lists",
+                                   ["what"], registry=registry)
+        self.gc_pause = Histogram("vchat_gc_pause_seconds", "How long each of Python's "
+                                  "garbage collections stopped the app (chat/stalls.py)",
+                                  ["generation"], buckets=LAG_BUCKETS, registry=registry)
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def refuse(self, record: TurnRecord) -> None:
         """A message refused before its turn began."""

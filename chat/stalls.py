@@ -16,10 +16,20 @@ with 256 users sending at once nobody saw a first token for about a second):
    Chainlit and the tokenizer are loaded, more with vLLM's front end): ~0.4 s on this
    machine, during which no session moves. `freeze_heap()` moves what the process keeps
    for its whole life out of those walks (gc.freeze).
+3. What remains is still walked by every full collection: on the H200 with ~350 chat
+   sessions, ~370,000 objects, 0.3-0.4 s each time, and one came every 3-5 s. They came
+   that often because a young collection ran every 700 new objects: at thousands of
+   streamed tokens a second, each one caught the objects of the updates in flight, which
+   then moved up a generation and counted towards the next full collection, though they
+   were gone a moment later. `collect_less_often()` lets far more objects be made between
+   young collections (VCHAT_GC_YOUNG_OBJECTS), so that such objects are freed before one
+   sees them (BENCHMARKS.md, "Both profiles at once").
 
 What is left shows as lag: `LoopLag` sets a timer now and then and measures how late the
 loop runs it; the app exports that as `vchat_event_loop_lag_seconds` (/metrics), so a slow
-first token can be told apart from a slow engine.
+first token can be told apart from a slow engine. `GcPauses` times each of the collector's
+walks (`vchat_gc_pause_seconds` by generation): a stall no sampler of stacks can see, since
+the walk holds the interpreter throughout.
 """
 
 from __future__ import annotations
@@ -91,6 +101,36 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def collect_less_often(young: int) -> tuple[int, int, int]:
+    """Python's young collections after `young` new objects instead of 700; returns the
+    thresholds now in force (3. above)."""
+    gc.set_threshold(young, *gc.get_threshold()[1:])
+    return gc.get_threshold()
+
+
+class GcPauses:
+    """Every collection's time (`observe(generation, seconds)`), from gc.callbacks."""
+
+    def __init__(self, observe: Callable[[int, float], None]):
+        self.observe = observe
+        self._began = 0.0
+
+    def start(self) -> None:
+        """Idempotent."""
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.observe(info["generation"], time.perf_counter() - self._began)
 
 
 class LoopLag:

@@ -42,7 +42,7 @@ from sqlalchemy import text
 from chat.stalls import CLOCK
 from store import queries as q
 from store import rows as rows_
-from store.schema import connect
+from store.schema import connect, reader
 
 log = logging.getLogger("store")
 
@@ -67,6 +67,7 @@ def _session_thread() -> str | None:
 class ChatDataLayer(BaseDataLayer):
     def __init__(self, url: str):
         self.engine = connect(url)  # store/schema.py's: SQLite set up
+        self.reader = reader(url, self.engine)  # for checks that only read
         self.sqlite = url.startswith("sqlite")
         self._threads: set[str] = set()  # threads this process knows exist
         self._users = asyncio.Lock()
@@ -111,6 +112,8 @@ class ChatDataLayer(BaseDataLayer):
 
     async def close(self) -> None:
         await self.engine.dispose()
+        if self.reader is not self.engine:
+            await self.reader.dispose()
 
     async def healthy(self) -> bool:
         try:

@@ -18,6 +18,8 @@ from pathlib import Path
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+READERS = 2  # SQLite connections that only read (`reader`)
+
 
 def database_url(data_dir: Path, env: dict | None = None) -> str:
     """DATABASE_URL (postgres:// or postgresql:// as servers hand them out, driven by
@@ -44,6 +46,25 @@ def connect(url: str) -> AsyncEngine:
     engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=600)
     event.listen(engine.sync_engine, "connect", _sqlite_settings)
     return engine
+
+
+def reader(url: str, writer: AsyncEngine) -> AsyncEngine:
+    """Where checks that only read go (a login's session on every message): on SQLite
+    connections of their own, which in WAL mode read while the writer's one is busy,
+    instead of waiting in its queue behind the chats' writes; elsewhere the writer's pool.
+    """
+    if not url.startswith("sqlite"):
+        return writer
+    engine = create_async_engine(url, pool_size=READERS, max_overflow=0, pool_timeout=600)
+    event.listen(engine.sync_engine, "connect", _sqlite_reader_settings)
+    return engine
+
+
+def _sqlite_reader_settings(connection, record) -> None:
+    _sqlite_settings(connection, record)
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA query_only=ON")
+    cursor.close()
 
 
 def _sqlite_settings(connection, _record) -> None:

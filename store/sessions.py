@@ -8,10 +8,15 @@ Logging out ends that session; removing an account, changing its password or
 on every HTTP request, socket connection and message, and closes the sockets of ended ones
 (chat/logins.py). Kept in the database, not in memory, so every app process on one
 database (and the operator's commands, another process) sees the same.
+
+The checks asked while one query runs share the next (`is_live`): a burst of messages
+(256 users pressing Enter together) costs two queries, not 256 in the database's line,
+each answer still read after its check was asked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
@@ -38,8 +43,11 @@ def new_session_id() -> str:
 
 
 class LoginSessions:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, reader: AsyncEngine | None = None):
         self.engine = engine
+        self.reader = reader or engine  # store/schema.py's `reader`: checks only read
+        self._asked: dict[str, list[asyncio.Future]] = {}  # checks for the next query
+        self._checking: asyncio.Task | None = None
 
     async def open(self, identifier: str, lifetime_s: float) -> str:
         """A new session for the account, good for `lifetime_s`; its id."""
@@ -55,12 +63,43 @@ class LoginSessions:
         ids = [s for s in set(session_ids) if isinstance(s, str)]
         if not ids:
             return set()
-        async with self.engine.connect() as conn:
+        async with self.reader.connect() as conn:
             rows = await conn.execute(_LIVE, {"ids": ids, "now": time.time()})
             return {row[0] for row in rows}
 
     async def is_live(self, session_id) -> bool:
-        return session_id in await self.live([session_id])
+        """Whether the session is live, from a query that began after this was asked; the
+        checks asked meanwhile share one query."""
+        if not isinstance(session_id, str):
+            return False
+        answer = asyncio.get_running_loop().create_future()
+        self._asked.setdefault(session_id, []).append(answer)
+        if self._checking is None:
+            self._checking = asyncio.create_task(self._check_asked())
+        return await answer
+
+    async def _check_asked(self) -> None:
+        asked: dict[str, list[asyncio.Future]] = {}
+        try:
+            while self._asked:
+                asked, self._asked = self._asked, {}
+                try:
+                    live, failed = await self.live(asked), None
+                except Exception as exc:  # each caller sees the database's failure
+                    live, failed = set(), exc
+                for session_id, answers in asked.items():
+                    for answer in answers:
+                        if answer.done():  # its caller went away
+                            continue
+                        if failed is not None:
+                            answer.set_exception(failed)
+                        else:
+                            answer.set_result(session_id in live)
+        finally:  # cancelled (shutdown): no caller waits for ever
+            for answers in (*asked.values(), *self._asked.values()):
+                for answer in answers:
+                    answer.cancel()  # no-op where answered
+            self._asked, self._checking = {}, None
 
     async def end(self, session_id: str) -> bool:
         async with self.engine.begin() as conn:

@@ -91,6 +91,37 @@ async def test_many_first_logins_of_one_account_at_once_all_get_in(server):
     assert "UNIQUE constraint failed" not in server.log_path.read_text()
 
 
+async def held(server: Server) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(server.url + "/metrics")).text
+    return {what: float(value) for what, value in re.findall(
+        r'^vchat_chat_sessions_held\{what="(\w+)"\} (\S+)$', text, re.M)}
+
+
+async def test_a_chat_left_for_a_new_one_leaves_nothing_in_memory(server):
+    """Regression (issue 27): Chainlit 2.12 kept every session's messages after the session
+    was gone, so every chat ever opened stayed in the app's memory and in each full garbage
+    collection's walk (0.5-1 s stalls on the H200 within minutes of 240 users). Six chats
+    opened one after another as the browser's "New chat" opens them: the app holds the
+    last one, its messages, and nothing of the five before."""
+    before = await held(server)
+    client = ChatClient(server.url, "Latency-first")
+    await client.connect()
+    await client.settings(max_tokens=4, show_stats=False)
+    for n in range(6):
+        if n:
+            await client.new_chat()
+        assert (await client.send(f"Chat number {n}.")).tokens
+    for _ in range(50):  # a closed session is cleared as its socket's end is handled
+        now = await held(server)
+        if now["sessions"] <= before["sessions"] + 1:
+            break
+        await asyncio.sleep(0.1)
+    assert now["sessions"] <= before["sessions"] + 1
+    assert now["message_lists"] <= now["sessions"], now
+    await client.close()
+
+
 async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(tmp_path):
     data = str(tmp_path / "data")
     env = {**STAND_IN, "VCHAT_DATA_DIR": data, "CHAT_ADMIN_USER": TEST_USER,

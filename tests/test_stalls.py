@@ -95,6 +95,43 @@ async def test_loop_lag_sees_a_blocked_loop_and_nothing_when_it_keeps_up():
     assert len(seen) == after  # stopped
 
 
+def test_gc_pauses_times_every_collection_by_its_generation_until_stopped():
+    """A full collection over many objects is timed as generation 2 (the stall a stack
+    sampler cannot see), once per collection; stopped, nothing more."""
+    seen: list[tuple[int, float]] = []
+    pauses = stalls.GcPauses(lambda generation, s: seen.append((generation, s)))
+    pauses.start()
+    pauses.start()  # idempotent: one callback
+    try:
+        held = [[i] for i in range(300_000)]  # containers the walk has to visit
+        seen.clear()  # the collections that making them set off
+        started = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - started
+        full = [s for generation, s in seen if generation == 2]
+        assert len(full) == 1 and 0 < full[0] <= took
+        del held
+    finally:
+        pauses.stop()
+    count = len(seen)
+    gc.collect()
+    assert len(seen) == count
+
+
+def test_young_collections_come_after_the_given_number_of_new_objects():
+    """The app's setting (VCHAT_GC_YOUNG_OBJECTS) is the collector's first threshold; the
+    older generations' are Python's."""
+    kept = gc.get_threshold()
+    try:
+        assert stalls.collect_less_often(50_000) == (50_000, *kept[1:])
+        gc.collect()
+        made = [[] for _ in range(20_000)]  # fewer new containers than the threshold
+        assert gc.get_count()[0] >= 20_000, "no young collection ran meanwhile"
+        del made
+    finally:
+        gc.set_threshold(*kept)
+
+
 def test_the_stack_sampler_counts_where_the_main_thread_is_and_writes_collapsed_stacks(
         tmp_path):
     """tools/stack_sampler.py, the diagnostic that the H200 runs load into the app: it

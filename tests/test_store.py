@@ -125,7 +125,7 @@ async def layer(tmp_path):
     await eng.dispose()
     dl = ChatDataLayer(url)
     yield dl
-    await dl.engine.dispose()
+    await dl.close()
 
 
 async def test_sqlite_tags_trap_chainlits_own_layer_loses_the_thread_silently(tmp_path):
@@ -243,6 +243,40 @@ async def test_a_turns_writes_land_in_order_in_few_statements_on_a_wal_database(
     for reply in replies:
         steps = (await layer.get_thread(reply.thread_id))["steps"]
         assert [s["output"] for s in steps] == [reply.content]
+
+
+async def test_login_checks_asked_together_share_one_query_that_reads_past_the_writer(layer):
+    """Regression (issue 27): every socket message checked its login session in a query of
+    its own on SQLite's one connection, in line behind the chats' writes; under a saturated
+    H200 the messages of a burst waited ~0.3 s for their first token. Checks asked together
+    share one query, read on connections of their own while a write is under way, and each
+    is answered from a query begun after it was asked."""
+    import asyncio
+
+    from sqlalchemy import event
+
+    from store.sessions import LoginSessions
+
+    await Accounts(layer.engine).add("alice", "correct horse battery")
+    sessions = LoginSessions(layer.engine, layer.reader)
+    ids = [await sessions.open("alice", 3600) for _ in range(4)]
+    queries = []
+    event.listen(layer.reader.sync_engine, "before_cursor_execute",
+                 lambda *args: queries.append(args[2]))
+    async with layer.engine.begin() as writing:  # the writer's connection and lock held
+        await writing.execute(text('UPDATE accounts SET "role" = "role"'))
+        answers = await asyncio.wait_for(asyncio.gather(
+            *[sessions.is_live(s) for s in ids * 8], sessions.is_live("no such session"),
+            sessions.is_live(None)), timeout=10)
+    assert answers == [True] * 32 + [False, False]
+    assert len(queries) == 1, queries
+    await sessions.end(ids[0])
+    gone = asyncio.create_task(sessions.is_live(ids[1]))  # its caller goes away
+    kept = asyncio.create_task(sessions.is_live(ids[0]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    assert await kept is False, "the end is seen by the next check"
+    assert [await sessions.is_live(s) for s in ids] == [False, True, True, True]
 
 
 def store_command(tmp_path, *args, stdin: str = ""):

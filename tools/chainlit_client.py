@@ -116,8 +116,12 @@ class ChatClient:
         await self._open(token, wait_chat_start, resume)
 
     async def new_chat(self) -> None:
-        """A new chat, as a browser's "New chat" button opens one: a new session on a new
-        socket, the same login, the settings sent so far sent again."""
+        """A new chat, as a browser's "New chat" button opens one: the old session is
+        cleared at once (Chainlit keeps a closed one for `session_timeout`, for a
+        reconnect), then a new session on a new socket, the same login, the settings sent so
+        far sent again."""
+        with contextlib.suppress(Exception):  # already closed; answered before it closes
+            await self.sio.call("clear_session", timeout=30)
         await self.close()
         self.session_id = str(uuid.uuid4())
         self.sio = socketio.AsyncClient(reconnection=False)
