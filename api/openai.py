@@ -6,8 +6,8 @@
 Requests share everything with the chat UI: the engines and their presets, the admission
 line (a full line answers 429), the profile's limits (message length, max tokens,
 temperature, system prompt length: over them answers 400 naming the limit) and the
-metrics and per-turn log lines (chat/metrics.py). Every request needs a key
-(`Authorization: Bearer ...`): the operator's `CHAT_API_KEY`, or an account's key
+metrics and per-turn log lines (service/turn_metrics.py). Every request needs a key
+(`Authorization: Bearer ...`): the operator's `VCHAT_API_KEY`, or an account's key
 (`python -m store keys add NAME`); keys never reach the log. A client that goes away
 mid-reply aborts its request in the engine. Errors come in OpenAI's shape:
 {"error": {"message", "type", "code"}}, for every bad input a 4xx (issue 26 found 500s).
@@ -31,11 +31,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api.requests import ApiError, read_body
-from chat.metrics import TurnMetrics, TurnRecord
-from engine import Busy, ChatError, ConfigError, Engines, Profile, Prompt, TurnStats
+from engine import Busy, ChatError, ConfigError, Engines, Profile, Prompt
 from engine.config import Config
+from service.turn import Stopped, Turn
+from service.turn_metrics import TurnMetrics
 
-log = logging.getLogger("api")
+log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
 INLINE_BYTES = 64 * 1024  # larger requests are read and fitted in a worker thread
@@ -86,25 +87,25 @@ class OpenAIApi:
         try:
             user = await self.caller(request)
             raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
-            profile, turn = await off_the_loop(len(raw), read_body, raw, self.config)
+            profile, asked = await off_the_loop(len(raw), read_body, raw, self.config)
         except ApiError as exc:
             return exc.response()
-        record = TurnRecord("failed", user, profile.name, message=turn["new"].content)
-        self.turns.begin(profile.name)
-        call = Call(self, request, profile, turn, record)
+        turn = Turn(self.engines, self.turns, profile.name, user=user,
+                    message=asked["new"].content, ignore_eos=self.ignore_eos)
+        call = Call(request, profile, asked, turn)
         try:
             call.prompt = await off_the_loop(len(raw), call.fit)
         except ChatError as exc:  # too long for the context, the engine not serving
-            call.end("refused")
+            turn.end(exc)
             return refusal(exc).response()
-        except Exception:
-            return call.failed()
-        if turn["stream"]:
-            return await call.streamed(turn["include_usage"])
+        except Exception as exc:
+            return call.failed(exc)
+        if asked["stream"]:
+            return await call.streamed(asked["include_usage"])
         return await call.whole()
 
     async def caller(self, request: Request) -> str:
-        """Who is asking: "operator" for CHAT_API_KEY, else the key's account; else 401."""
+        """Who is asking: "operator" for VCHAT_API_KEY, else the key's account; else 401."""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         key = key.strip()
         if scheme.lower() == "bearer" and key:
@@ -118,117 +119,105 @@ class OpenAIApi:
                        "authentication_error", "invalid_api_key")
 
 class Call:
-    """One chat completion: fitted, answered on the profile's engine, counted once."""
+    """One chat completion in OpenAI's shapes; its turn (service/turn.py) fits, streams and
+    counts it."""
 
-    def __init__(self, api: OpenAIApi, request: Request, profile: Profile, turn: dict,
-                 record: TurnRecord):
-        self.api, self.request, self.profile, self.turn = api, request, profile, turn
-        self.record, self.stats, self.prompt = record, None, None
+    def __init__(self, request: Request, profile: Profile, asked: dict, turn: Turn):
+        self.request, self.profile, self.asked, self.turn = request, profile, asked, turn
+        self.prompt: Prompt | None = None
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         self.reply: list[str] = []
 
     def fit(self) -> Prompt:
-        return self.api.engines.fit(self.profile.name, self.turn["history"], self.turn["new"],
-                                    system_prompt=self.turn["system_prompt"],
-                                    max_tokens=self.turn["max_tokens"])
+        return self.turn.fit(self.asked["history"], self.asked["new"],
+                             system_prompt=self.asked["system_prompt"],
+                             max_tokens=self.asked["max_tokens"])
 
-    def items(self) -> AsyncIterator[str | TurnStats]:
-        return self.api.engines.stream(self.prompt, self.profile.name,
-                                       ignore_eos=self.api.ignore_eos, **self.turn["sampling"])
+    def items(self) -> AsyncIterator[str]:
+        return self.turn.stream(self.prompt, **self.asked["sampling"])
 
-    def failed(self) -> Response:
-        """An unexpected error: logged with its trace, counted, answered in words."""
-        log.exception("API request failed")
-        self.end("failed")
+    def end(self, exc: BaseException | None = None) -> None:
+        self.turn.reply = "".join(self.reply)
+        self.turn.end(exc)
+
+    def failed(self, exc: BaseException) -> Response:
+        """An unexpected error: logged with its trace (service/turn.py), answered in words."""
+        self.end(exc)
         return ApiError(500, "Something went wrong on our side; it has been logged. "
                         "Please try again.", "server_error").response()
-
-    def end(self, outcome: str) -> None:
-        self.record.outcome = outcome
-        self.record.reply = "".join(self.reply)
-        self.api.turns.end(self.record, self.stats)
 
     async def whole(self) -> Response:
         try:
             await until_gone(self.request, self._collect())
         except ChatError as exc:
-            self.end("refused")
+            self.end(exc)
             return refusal(exc).response()
-        except ClientGone:
-            self.end("stopped")
+        except ClientGone as exc:
+            self.end(exc)
             return Response(status_code=499)
-        except Exception:
-            return self.failed()
-        self.end("finished")
+        except Exception as exc:
+            return self.failed(exc)
+        self.end()
         return JSONResponse({
-            "id": self.id, "object": "chat.completion", "created": self.created,
-            "model": self.profile.name,
-            "choices": [{"index": 0, "finish_reason": self.stats.finish_reason,
+            **self.head("chat.completion"),
+            "choices": [{"index": 0, "finish_reason": self.turn.stats.finish_reason,
                          "message": {"role": "assistant", "content": "".join(self.reply)}}],
             "usage": self.usage()})
 
     async def _collect(self) -> None:
-        async for item in self.items():
-            if isinstance(item, TurnStats):
-                self.stats = item
-            else:
-                self.reply.append(item)
+        async for text in self.items():
+            self.reply.append(text)
 
     async def streamed(self, include_usage: bool) -> Response:
         """Server-sent events. The first piece is awaited before answering, so a refusal
         (busy, not serving, too long) is still an HTTP status, not an event."""
         items = self.items_or_refusal()
         try:
-            first = await until_gone(self.request, anext(items))
+            first = await until_gone(self.request, first_of(items))
         except ApiError as exc:
             return exc.response()
-        except ClientGone:
+        except ClientGone as exc:
             await items.aclose()
-            self.end("stopped")
+            self.end(exc)
             return Response(status_code=499)
-        except Exception:
+        except Exception as exc:
             await items.aclose()
-            return self.failed()
+            return self.failed(exc)
         return StreamingResponse(self.events(first, items, include_usage),
                                  media_type="text/event-stream")
 
-    async def items_or_refusal(self) -> AsyncIterator[str | TurnStats]:
+    async def items_or_refusal(self) -> AsyncIterator[str]:
         try:
-            async for item in self.items():
-                yield item
+            async for text in self.items():
+                yield text
         except ChatError as exc:
-            self.end("refused")
+            self.end(exc)
             raise refusal(exc) from None
 
-    async def events(self, first, items, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, first: str | None, items, include_usage: bool
+                     ) -> AsyncIterator[str]:
         # Leaving early (the client went away: Starlette cancels this generator) closes
         # `items`, which aborts the request in the engine.
         try:
             yield self.chunk({"role": "assistant", "content": ""})
-            item = first
-            while True:
-                if isinstance(item, TurnStats):
-                    self.stats = item
-                else:
-                    self.reply.append(item)
-                    yield self.chunk({"content": item})
-                try:
-                    item = await anext(items)
-                except StopAsyncIteration:
-                    break
-            yield self.chunk({}, self.stats.finish_reason)
+            text = first
+            while text is not None:
+                self.reply.append(text)
+                yield self.chunk({"content": text})
+                text = await first_of(items)
+            yield self.chunk({}, self.turn.stats.finish_reason)
             if include_usage:
                 yield sse({**self.head("chat.completion.chunk"), "choices": [],
                            "usage": self.usage()})
             yield "data: [DONE]\n\n"
-            self.end("finished")
+            self.end()
         except ApiError as exc:  # refused mid-stream (the engine died): said as an event
             yield sse({"error": {"message": str(exc), "type": exc.kind, "code": exc.code}})
-        except (asyncio.CancelledError, GeneratorExit):
-            self.end("stopped")
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            self.end(exc)
             raise
-        except Exception:
-            self.end("failed")
+        except Exception as exc:
+            self.end(exc)
             raise
         finally:
             await items.aclose()
@@ -242,16 +231,24 @@ class Call:
             {"index": 0, "delta": delta, "finish_reason": finish_reason}]})
 
     def usage(self) -> dict:
-        s = self.stats
+        s = self.turn.stats
         return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens,
                 "total_tokens": s.prompt_tokens + s.output_tokens}
+
+
+async def first_of(items: AsyncIterator[str]) -> str | None:
+    """The next piece, or None once there is none."""
+    try:
+        return await anext(items)
+    except StopAsyncIteration:
+        return None
 
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class ClientGone(Exception):
+class ClientGone(Stopped):
     """The client closed its connection before the answer."""
 
 

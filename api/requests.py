@@ -15,9 +15,10 @@ import json
 
 from starlette.responses import JSONResponse
 
-from chat.input import check_message
+from service.input import check_message
 from engine import ChatError, Message, Profile
 from engine.config import Config
+from engine.limits import Bound, bounds, system_prompt_fits
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_BODY_MB)
@@ -78,7 +79,7 @@ def read(body, config: Config) -> tuple[Profile, dict]:
     except ChatError as exc:
         raise ApiError(400, str(exc), code="message_refused") from None
     system_prompt = "\n\n".join(m.content for m in system) or profile.system_prompt
-    if len(system_prompt) > limits.system_prompt_chars:
+    if not system_prompt_fits(limits, system_prompt):
         raise ApiError(400, f"The system prompt is {len(system_prompt):,} characters; "
                        f"{profile.name} takes at most {limits.system_prompt_chars:,}.")
     max_tokens = given(body, "max_completion_tokens",
@@ -86,11 +87,10 @@ def read(body, config: Config) -> tuple[Profile, dict]:
     temperature = given(body, "temperature", sampling.temperature)
     top_p = given(body, "top_p", sampling.top_p)
     seed = given(body, "seed", None)
-    within("max_tokens", max_tokens, int, 1, limits.max_tokens, profile)
-    within("temperature", temperature, (int, float), 0, limits.temperature, profile)
-    within("top_p", top_p, (int, float), 0, 1, profile, above_lowest=True)
-    if seed is not None:
-        within("seed", seed, int, 0, 2**63 - 1, profile)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("seed", seed)):
+        if value is not None or name != "seed":
+            within(bounds(limits)[name], value, profile)
     return profile, {"history": history[:-1], "new": Message("user", new.text),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
                      "stream": stream, "include_usage": given(options, "include_usage",
@@ -141,9 +141,7 @@ def content_text(content, where: str) -> str:
     raise ApiError(400, f"{where} must be text (a string or a list of text parts).")
 
 
-def within(name: str, value, kind, lo, hi, profile: Profile, above_lowest=False) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not lo <= value <= hi or \
-            (above_lowest and value == lo):
-        span = f"above {lo} and at most {hi}" if above_lowest else f"from {lo} to {hi}"
-        raise ApiError(400, f"'{name}' must be a number {span} for {profile.name}, got "
-                       f"{str(value)[:50]!r}.")
+def within(bound: Bound, value, profile: Profile) -> None:
+    if not bound.holds(value):
+        raise ApiError(400, f"'{bound.name}' must be a number {bound.span()} for "
+                       f"{profile.name}, got {str(value)[:50]!r}.")

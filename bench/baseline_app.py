@@ -2,15 +2,15 @@
 (bench/serve_compare.py): Chainlit's on_message calls a separate vLLM OpenAI server through
 the `openai` client, streams the chat completion into the message one `stream_token` per
 chunk, and keeps the whole conversation in the user session. Nothing of this project's
-app is used.
+app is used (its settings are listed in engine/settings.py's table, read here directly).
 
-    BASELINE_BASE_URL=http://127.0.0.1:8001/v1 BASELINE_MODEL=NAME \
-    BASELINE_PASSWORD=secret CHAINLIT_AUTH_SECRET=... \
+    VCHAT_BASELINE_BASE_URL=http://127.0.0.1:8001/v1 VCHAT_BASELINE_MODEL=NAME \
+    VCHAT_BASELINE_PASSWORD=secret CHAINLIT_AUTH_SECRET=... \
         .venv/bin/chainlit run bench/baseline_app.py --headless --port 8000
 
-Login: any user name with BASELINE_PASSWORD (the headless benchmark client logs in as a
+Login: any user name with VCHAT_BASELINE_PASSWORD (the headless benchmark client logs in as a
 browser does). Settings the client sends (`max_tokens`) apply to the next turns.
-BASELINE_IGNORE_EOS=1 makes every reply run to max_tokens (benchmarks: equal lengths).
+VCHAT_BASELINE_IGNORE_EOS=1 makes every reply run to max_tokens (benchmarks: equal lengths).
 """
 
 import os
@@ -18,14 +18,15 @@ import os
 import chainlit as cl
 from openai import AsyncOpenAI
 
-BASE_URL = os.environ.get("BASELINE_BASE_URL", "http://127.0.0.1:8000/v1")
-MODEL = os.environ.get("BASELINE_MODEL", "default")
-PASSWORD = os.environ.get("BASELINE_PASSWORD", "")
-IGNORE_EOS = os.environ.get("BASELINE_IGNORE_EOS", "0") == "1"
+BASE_URL = os.environ.get("VCHAT_BASELINE_BASE_URL", "http://127.0.0.1:8000/v1")
+MODEL = os.environ.get("VCHAT_BASELINE_MODEL", "default")
+PASSWORD = os.environ.get("VCHAT_BASELINE_PASSWORD", "")
+IGNORE_EOS = os.environ.get("VCHAT_BASELINE_IGNORE_EOS", "0") == "1"
 MAX_TOKENS = 512
 SAMPLING = {"temperature": 0.8, "top_p": 1.0}  # as bench/workloads.py's SAMPLING
 
-client = AsyncOpenAI(base_url=BASE_URL, api_key=os.environ.get("BASELINE_API_KEY", "none"))
+client = AsyncOpenAI(base_url=BASE_URL,
+                     api_key=os.environ.get("VCHAT_BASELINE_API_KEY", "none"))
 
 
 @cl.password_auth_callback

@@ -227,7 +227,7 @@ async def run(args) -> dict:
     server = None
     url, key = args.url, args.api_key
     if url is None:
-        server = Server({"CHAT_API_KEY": KEY, "VCHAT_BENCH_IGNORE_EOS": "1"})
+        server = Server({"VCHAT_API_KEY": KEY, "VCHAT_BENCH_IGNORE_EOS": "1"})
         url, key = server.url, KEY
     try:
         if server is not None:

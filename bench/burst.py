@@ -20,7 +20,7 @@ import time
 from bench.cli import whole_number
 from bench.metrics import spread
 from bench.ui_ceiling import PROFILE, all_at_once
-from chat.stalls import freeze_heap
+from service.loop import freeze_heap
 from tools.chainlit_client import ChatClient, Server
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench.cli import whole_number
 from bench.paths import one_message
+from bench.workloads import SAMPLING
 from engine import ChatError, TurnStats, load_config
 from engine.launch import Machine, engine_setup
 from engine.llm import PresetEngine
@@ -27,7 +28,7 @@ async def run_streams(engine: PresetEngine, n: int, tokens: int) -> dict:
     async def one(i):
         stats = None
         async for item in engine.stream(one_message(engine, f"Tell story {i}.", tokens, ""),
-                                        ignore_eos=True, temperature=0.8):
+                                        ignore_eos=True, **SAMPLING):
             if isinstance(item, TurnStats):
                 stats = item
         return stats

@@ -47,7 +47,7 @@ from bench.cli import whole_number
 from bench.run import versions
 from bench.profile_figures import (LF, TF, bucket_quantile, pct, ratio, stream_figures,
                                    summary, targets)
-from chat.stalls import LoopLag
+from service.loop import LoopLag
 from tools.chainlit_client import ROOT, ChatClient, Server
 
 ASK = "Write a long story about a lighthouse keeper."

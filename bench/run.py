@@ -37,7 +37,7 @@ from bench import paths
 from bench.cli import parse_args
 from bench.metrics import summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, WORKLOADS
-from chat.stalls import freeze_heap
+from service.loop import freeze_heap
 from engine import ChatError, load_config
 from engine.config import Preset
 from engine.launch import Machine, engine_setup
@@ -234,7 +234,7 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
     await engine.start()
     # This process drives every path (and holds the in-process engine): a collection that
     # walks its whole heap would stall the measurement, as it would stall the app without
-    # the app's own freeze (chat/stalls.py).
+    # the app's own freeze (service/loop.py).
     freeze_heap()
     result = {"engine": {}, "app": {}, "startup_s": round(engine.started_in_s, 1)}
     server = None

@@ -128,7 +128,7 @@ class Sides:
 
         eager = "1" if self.setup.args.get("enforce_eager") else "0"
         self.app = Server({**self.overrides, "VCHAT_ENFORCE_EAGER": eager,
-                           "VCHAT_BENCH_IGNORE_EOS": "1", "CHAT_API_KEY": self.api_key},
+                           "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_API_KEY": self.api_key},
                           base_env=self.base_env)
         await self.app.wait_ready(timeout=900)
         self.plain = VllmServer(self.setup.args, {**self.base_env, **self.setup.env,
@@ -136,10 +136,10 @@ class Sides:
         self.plain.start()
         await self.plain.wait_ready(timeout=900)
         if "chat" in self.args.compare:
-            self.baseline = Server({"BASELINE_BASE_URL": self.plain.url + "/v1",
-                                    "BASELINE_MODEL": self.plain.served_name,
-                                    "BASELINE_PASSWORD": TEST_PASSWORD,
-                                    "BASELINE_IGNORE_EOS": "1",
+            self.baseline = Server({"VCHAT_BASELINE_BASE_URL": self.plain.url + "/v1",
+                                    "VCHAT_BASELINE_MODEL": self.plain.served_name,
+                                    "VCHAT_BASELINE_PASSWORD": TEST_PASSWORD,
+                                    "VCHAT_BASELINE_IGNORE_EOS": "1",
                                     "CHAINLIT_AUTH_SECRET": secrets.token_urlsafe(32)},
                                    base_env=self.base_env, app="bench/baseline_app.py")
             await self.baseline.wait_http()

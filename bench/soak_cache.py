@@ -34,7 +34,7 @@ async def session(engine: PresetEngine, i: int, turns: int, system: str, log: li
         prompt = fit_history(engine.formatter, history, new, system_prompt=system,
                              max_model_len=engine.max_model_len, max_tokens=8)
         reply, stats = [], None
-        async for item in engine.stream(prompt, temperature=0.7):
+        async for item in engine.stream(prompt, temperature=0.7, top_p=1.0):
             if isinstance(item, TurnStats):
                 stats = item
             else:

@@ -22,7 +22,7 @@ from chainlit.context import init_http_context
 from chainlit.user import User
 
 from bench.metrics import spread
-from chat.stalls import CLOCK
+from service.clock import CLOCK
 from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 

@@ -29,6 +29,7 @@ import yaml
 
 from bench.cli import whole_number
 from engine.launch import has_cuda
+from engine.settings import setting
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     if len(args.variant) < 2:
         p.error("--variant: give two or more")
-    source = Path(os.environ.get("VCHAT_PROFILES") or ROOT / "profiles.yaml")
+    source = Path(setting("VCHAT_PROFILES") or ROOT / "profiles.yaml")
     device = "vllm_gpu" if has_cuda() else "vllm_cpu"
     profiles = variants_file(source, args.preset, device, args.variant)
     names = [f"{args.preset}@{label(v)}" for v in args.variant]

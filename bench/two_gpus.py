@@ -161,7 +161,7 @@ async def measure_data_parallel(args, engines: dict) -> dict[int, list[dict]]:
 async def main(args) -> dict:
     from bench import paths  # loads vLLM: not for --help
     from bench.run import ENV_AT_START, versions
-    from chat.stalls import freeze_heap
+    from service.loop import freeze_heap
     from engine import load_config
     from engine.launch import Machine, engine_setup
     from engine.llm import PresetEngine

@@ -4,9 +4,8 @@ Chainlit 2.12 keeps every session's messages in `chat_contexts` (session id -> i
 `Message` objects) and never removes the entry: deleting a session (a browser's "New
 chat", a closed tab after `session_timeout`, a login that ended) drops the session and
 its user session, not its messages. So every chat ever opened stayed in memory, and
-Python's full garbage collections walked all of them: on the H200, with 240 users
-opening a chat per 2k-token reply, full collections stopped every session for 0.5-1 s
-within minutes (BENCHMARKS.md, "Both profiles at once").
+Python's full garbage collections, which stop every session, walked all of them
+(BENCHMARKS.md, "Both profiles at once", 2026-12-03).
 
 `install()` makes a deleted session take its messages and its user session along,
 whichever way it was deleted (chat/logins.py's `end_session` deletes one directly).
@@ -41,5 +40,11 @@ def installed() -> bool:
 
 
 def held() -> dict[str, int]:
-    """Chat sessions in memory and their message lists (the same count once installed)."""
+    """Chat sessions in memory and their message lists (never more lists once installed)."""
     return {"sessions": len(ws_sessions_id), "message_lists": len(chat_contexts)}
+
+
+def report_to(gauge) -> None:
+    """`held()` as a Prometheus gauge labelled by `what`, read at each scrape."""
+    for what in ("sessions", "message_lists"):
+        gauge.labels(what).set_function(lambda what=what: held()[what])

@@ -40,7 +40,7 @@ from chat.logins import Logins, end_session
 from store.data_layer import ChatDataLayer
 from store.rows import is_uuid
 
-log = logging.getLogger("app")
+log = logging.getLogger(__name__)
 
 OTHER_BODY_BYTES = 1 << 20  # any route but the API: Chainlit's bodies are small JSON
 FEEDBACK_CHARS = 10_000  # a feedback's comment
@@ -92,7 +92,7 @@ class Guard:
     def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool):
         self.logins, self.store, self.sharing = logins, store, sharing
         # When each session's last message reached the server, until its turn takes it
-        # (`arrival`): a turn's first token is timed from there (chat/metrics.py).
+        # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
         self._arrived: dict[str, float] = {}
         self.router = APIRouter()
         route = self.router.add_api_route

@@ -13,6 +13,8 @@ read its chats, its socket still got answers, and POST /auth/jwt renewed it).
   changed, `python -m store users logout NAME`, lifetime over), from any process.
 - POST /auth/jwt renews a token only for a live session, and the new token carries the same
   session: nothing outlives the session's lifetime. POST /logout ends the session.
+- Logins from an address that keeps failing wait, whatever names it tries
+  (`slow_failing_addresses`; each name's own failures wait too, store/accounts.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from store.data_layer import SESSION_KEY
 from store.sessions import LoginSessions
 
-log = logging.getLogger("app")
+log = logging.getLogger(__name__)
 
 SWEEP_S = 1.0  # how often open sockets' sessions are checked
 
@@ -130,6 +132,22 @@ class Logins:
         if closing:
             log.info("closed %d chat session(s) whose login ended", len(closing))
         return len(closing)
+
+
+def slow_failing_addresses(http, throttle) -> None:
+    """POST /login from an address that keeps failing waits (`throttle`, an
+    AddressThrottle): Chainlit's login callback is not told the address, so this wraps
+    its route."""
+
+    @http.middleware("http")
+    async def slowed(request, call_next):
+        if request.method != "POST" or request.url.path != "/login":
+            return await call_next(request)
+        address = request.client.host if request.client else "unknown"
+        await asyncio.sleep(throttle.wait_s(address))
+        response = await call_next(request)
+        throttle.record(address, ok=response.status_code < 400)
+        return response
 
 
 async def end_session(session: WebsocketSession) -> None:

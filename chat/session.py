@@ -1,6 +1,7 @@
 """One chat session's state, in one place: profile, user settings and history.
 
-No UI code here: app.py keeps one `Conversation` per Chainlit session and calls it.
+No UI code here: app.py's hooks keep one `Conversation` per Chainlit session, and
+chat/turns.py answers its turns.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from engine import ChatError, Message, Profile, Prompt
+from engine.limits import bounds, shown, system_prompt_fits
 
-from .input import check_message
+from service.input import check_message
 from .view import dropped_notice, short_reply_notice
 
 
@@ -32,7 +34,9 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Turn:
+class Exchange:
+    """A user's message and the reply to it, as the conversation keeps them."""
+
     user: Message
     reply: Message  # as shown: a stopped reply is the part the user saw
     message_id: str | None = None  # the user's message in the chat (for edits)
@@ -43,7 +47,7 @@ class Turn:
 class Conversation:
     profile: Profile
     settings: Settings
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[Exchange] = field(default_factory=list)
     told_about_dropping: bool = False
     told_about_short_replies: bool = False
     in_flight: bool = False  # a turn of this session is being answered
@@ -80,14 +84,14 @@ class Conversation:
 
     def record(self, user: Message, reply: str, message_id: str | None = None,
                reply_id: str | None = None) -> None:
-        self.turns.append(Turn(user, Message("assistant", reply), message_id, reply_id))
+        self.turns.append(Exchange(user, Message("assistant", reply), message_id, reply_id))
 
     def restore(self, turns: list[tuple[str, str, str, str]]) -> None:
         """A stored chat's turns (stored_turns), as if they had just been recorded."""
         for message_id, user, reply, reply_id in turns:
             self.record(Message("user", user), reply, message_id, reply_id)
 
-    def take_back(self, reply_id: str | None) -> Turn | None:
+    def take_back(self, reply_id: str | None) -> Exchange | None:
         """The user asked for the last reply again: its turn leaves the history (and is
         returned, to answer its message again). None if `reply_id` is not the last reply."""
         if not self.turns or reply_id is None or self.turns[-1].reply_id != reply_id:
@@ -124,22 +128,19 @@ class Conversation:
     def update_settings(self, values: dict) -> list[str]:
         """Apply valid values; return one message per refused value (those stay as they were)."""
         limits, problems, changes = self.profile.limits, [], {}
-        checks = {
-            "temperature": (float, 0.0, limits.temperature),
-            "max_tokens": (int, 1, limits.max_tokens),
-        }
-        for key, (kind, lo, hi) in checks.items():
+        for key in ("temperature", "max_tokens"):
             if key not in values:
                 continue
-            value = _number(values[key], kind)
-            if value is None or not lo <= value <= hi:
-                problems.append(f"{_LABELS[key]} must be between {lo:g} and {hi:g}; "
-                                f"kept {getattr(self.settings, key):g}.")
+            bound = bounds(limits)[key]
+            value = _number(values[key], bound.kind)
+            if value is None or not bound.holds(value):
+                problems.append(f"{bound.label} must be between {shown(bound.lo)} and "
+                                f"{shown(bound.hi)}; kept {getattr(self.settings, key):g}.")
             else:
                 changes[key] = value
         if "system_prompt" in values:
             prompt = values["system_prompt"]
-            if not isinstance(prompt, str) or len(prompt) > limits.system_prompt_chars:
+            if not isinstance(prompt, str) or not system_prompt_fits(limits, prompt):
                 problems.append(f"The system prompt may be at most "
                                 f"{limits.system_prompt_chars:,} characters; kept the old one.")
             else:
@@ -149,8 +150,6 @@ class Conversation:
         self.settings = replace(self.settings, **changes)
         return problems
 
-
-_LABELS = {"temperature": "Temperature", "max_tokens": "Max tokens"}
 
 # A reply's metadata key: how much of its stored text is the reply the history holds (what
 # follows is the stats line or the "Stopped." mark, shown but never part of the history).

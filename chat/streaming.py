@@ -99,8 +99,8 @@ class Coalescer:
         until it is. The caller pulls its next piece only then, so a source that joins
         pieces while nobody pulls (vLLM's per-request output collector; the stand-in)
         hands over everything it made meanwhile as one piece: one pull per update rather
-        than one per engine step, through every layer between engine and socket (on an
-        H200 at 256 streams: one pull per ~8 ms step each before; BENCHMARKS.md).
+        than one per engine step, through every layer between engine and socket
+        (BENCHMARKS.md, "GPU (H200)").
         Cancelled while it sleeps (the user pressed Stop), it sends nothing."""
         if self._pace is not None and not self._counted:
             self._counted = True

@@ -1,6 +1,8 @@
-"""A chat turn from admission to its stored reply: wait for the engines (saying so), fit
-the history, stream the reply, record it, offer Regenerate under it. Whatever goes wrong,
-the user gets a plain message and the turn is counted and logged once (chat/metrics.py).
+"""A chat turn as Chainlit shows it, from admission to its stored reply: wait for the
+engines (saying so), fit the history, stream the reply at the app's pace, record it, offer
+Regenerate under it. The turn itself (fitting, streaming, counting and logging it once
+however it ends) is service/turn.py's, as for the API; whatever goes wrong, the user gets
+a plain message.
 
 app.py's hooks hand admitted turns here (`Turns.take`) and Regenerate presses
 (`Turns.regenerate`); the engines are reached through engine/'s `Engines` only.
@@ -14,17 +16,18 @@ import logging
 import chainlit as cl
 from chainlit.chat_context import chat_context
 
-from chat.metrics import TurnMetrics, TurnRecord
-from chat.session import HISTORY_CHARS, Conversation, Turn
-from chat.shutdown import Shutdown
+from chat.session import HISTORY_CHARS, Conversation, Exchange
 from chat.streaming import Coalescer, Pace
 from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
                        STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
                        stats_line)
-from engine import ChatError, Engines, Message, Prompt, TurnStats
+from engine import ChatError, Engines, Message, Prompt
+from service.shutdown import Shutdown
+from service.turn import Turn
+from service.turn_metrics import TurnMetrics
 from store.data_layer import ChatDataLayer
 
-log = logging.getLogger("app")
+log = logging.getLogger(__name__)
 
 REGENERATE = "regenerate"  # the action under the last reply
 
@@ -78,31 +81,30 @@ class Turns:
     async def take(self, conv: Conversation, user: Message, message_id: str,
                    notice: str | None = None, arrived: float | None = None) -> None:
         """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
-        Counted and logged once, however it ends. `arrived`: when the message reached the
-        server (time.monotonic), for the turn's first token as the app sends it."""
-        profile = conv.profile.name
-        record, stats = TurnRecord("failed", user_name(), profile, message=user.content), None
-        record.arrived = arrived
-        self.metrics.begin(profile)
+        Counted and logged once, however it ends (service/turn.py). `arrived`: when the
+        message reached the server (time.monotonic), for the turn's first token as the app
+        sends it."""
+        turn = Turn(self.engines, self.metrics, conv.profile.name, user=user_name(),
+                    message=user.content, arrived=arrived, ignore_eos=self.ignore_eos)
+        ended = None
         try:
             with self.shutdown.turn():
                 await self.withdraw_regenerate()  # the reply that offered it is not the last
                 if notice:
                     await cl.Message(content=notice).send()
-                stats = await self._answer(conv, user, message_id, record)
-                record.outcome = "finished"
-        except asyncio.CancelledError:  # Stop, a closed browser, shutdown: the text was kept
-            record.outcome = "stopped"
+                await self._answer(conv, turn, user, message_id)
+        except asyncio.CancelledError as exc:  # Stop, a closed browser, shutdown: text kept
+            ended = exc
             raise
         except ChatError as exc:  # explained (queue full, engine restarting...): not stored
-            record.outcome = "refused"
+            ended = exc
             await cl.Message(content=str(exc)).send()
-        except Exception:  # a bug or an engine failure: logged, never a trace to the user
-            log.exception("turn failed")
+        except Exception as exc:  # a bug or an engine failure: logged, never a trace shown
+            ended = exc
             await cl.Message(content=UNEXPECTED).send()
         finally:
             conv.end_turn()
-            self.metrics.end(record, stats)
+            turn.end(ended)
 
     async def offer_regenerate(self, reply_id: str | None) -> None:
         """A "Regenerate" button under the last reply (only there: the one before goes)."""
@@ -125,67 +127,64 @@ class Turns:
         not as a turn: the answer runs as the session's task, so Stop ends it as it ends
         any reply."""
         conv: Conversation = cl.user_session.get("conversation")
-        closing, turn = self.shutdown.closing, None
+        closing, last = self.shutdown.closing, None
         if not closing and conv is not None and not conv.in_flight:
-            turn = conv.take_back(button.forId)
-        if turn is None:
+            last = conv.take_back(button.forId)
+        if last is None:
             await cl.Message(content=CLOSING if closing else NOT_REGENERATED).send()
             return
         try:
             conv.begin_turn()
         except ChatError as exc:  # too many turns this minute: the reply stays
-            conv.turns.append(turn)
+            conv.turns.append(last)
             await cl.Message(content=str(exc)).send()
             return
-        task = asyncio.create_task(self._answer_again(conv, turn))
+        task = asyncio.create_task(self._answer_again(conv, last))
         cl.context.session.current_task = task  # what Stop cancels
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer_again(self, conv: Conversation, turn: Turn) -> None:
+    async def _answer_again(self, conv: Conversation, exchange: Exchange) -> None:
         await cl.context.emitter.task_start()
         try:
-            shown = next((m for m in chat_context.get() if m.id == turn.reply_id), None)
-            await (shown or cl.Message(content="", id=turn.reply_id)).remove()
-            await self.take(conv, turn.user, turn.message_id)
+            shown = next((m for m in chat_context.get() if m.id == exchange.reply_id), None)
+            await (shown or cl.Message(content="", id=exchange.reply_id)).remove()
+            await self.take(conv, exchange.user, exchange.message_id)
         except asyncio.CancelledError:
             pass  # stopped: _answer kept what was shown (or said it was withdrawn)
         finally:
             await cl.context.emitter.task_end()
 
-    async def _answer(self, conv: Conversation, user: Message, message_id: str,
-                      record: TurnRecord) -> TurnStats:
+    async def _answer(self, conv: Conversation, turn: Turn, user: Message,
+                      message_id: str) -> None:
         """One turn: wait for the engines, fit the history, stream the reply, record it."""
         note, reply = WaitNote(conv.profile.name, self.metrics), cl.Message(content="")
         try:
             if self.engines.state == "starting":
                 await note.say(STARTING_TURN)
             await self.engines.ready()
-            prompt = self.engines.fit(conv.profile.name, conv.history(), user,
-                                      system_prompt=conv.settings.system_prompt,
-                                      max_tokens=conv.settings.max_tokens)
+            prompt = turn.fit(conv.history(), user, system_prompt=conv.settings.system_prompt,
+                              max_tokens=conv.settings.max_tokens)
             for notice in conv.notices(prompt):
                 await cl.Message(content=notice).send()
-            stats = await self._stream_reply(conv, prompt, reply, note, record)
+            await self._stream_reply(conv, turn, prompt, reply, note)
         except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
-            record.reply = reply.content
+            turn.reply = reply.content
             await self._end_early(conv, user, reply, message_id)
             raise
         finally:
             await note.remove()
-        record.reply = reply.content
+        turn.reply = reply.content
         conv.record(user, reply.content, message_id, reply.id)
-        reply.metadata = {**reply_metadata(stats, conv.profile.name, prompt.dropped_turns),
+        reply.metadata = {**reply_metadata(turn.stats, conv.profile.name, prompt.dropped_turns),
                           HISTORY_CHARS: len(reply.content)}
         if conv.settings.show_stats:
-            reply.content += "\n\n" + stats_line(stats, conv.profile.name)
+            reply.content += "\n\n" + stats_line(turn.stats, conv.profile.name)
         await reply.send()
         await self.offer_regenerate(reply.id)
         # The next message need not wait for the database: the turn ends now, and the check
-        # runs after it (a shutdown waits for it). Before: BENCHMARKS.md, "Writes to the
-        # database".
+        # runs after it (a shutdown waits for it).
         self.shutdown.finish_later(self._check_saved())
-        return stats
 
     async def _check_saved(self) -> None:
         """Writes of this chat that the database refused are said, not lost in a log."""
@@ -195,27 +194,18 @@ class Turns:
             log.error("chat %s: %d writes failed, last: %s", thread_id, len(failed), failed[-1])
             await cl.Message(content=NOT_SAVED).send()
 
-    async def _stream_reply(self, conv: Conversation, prompt: Prompt, reply: cl.Message,
-                            note: WaitNote, record: TurnRecord) -> TurnStats:
-        """Stream the reply into `reply` as the engine writes it; the turn's stats at the
-        end."""
+    async def _stream_reply(self, conv: Conversation, turn: Turn, prompt: Prompt,
+                            reply: cl.Message, note: WaitNote) -> None:
+        """Stream the reply into `reply` as the engine writes it."""
         out = Coalescer(reply.stream_token, pace=self.pace,
                         rank=self.engines.priority(conv.profile.name))
-        stats = None
         try:
-            async for item in self.engines.stream(prompt, conv.profile.name,
-                                                  on_queued=note.show,
-                                                  ignore_eos=self.ignore_eos, **conv.sampling()):
+            async for text in turn.stream(prompt, on_queued=note.show, **conv.sampling()):
                 await note.remove()
-                if isinstance(item, TurnStats):
-                    stats = item
-                else:
-                    record.first_token_sent()
-                    await out.feed(item)  # pulls the engine once per update
+                await out.feed(text)  # pulls the engine once per update
             await out.close()
         finally:
             out.discard()  # stopped or failed: what was not shown yet is not sent
-        return stats
 
     async def _end_early(self, conv: Conversation, user: Message, reply: cl.Message,
                          message_id: str) -> None:

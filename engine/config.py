@@ -17,6 +17,7 @@ import yaml
 
 from .checks import check_map, check_number, check_type, check_vllm, gpus_for
 from .errors import ConfigError
+from .limits import bounds, system_prompt_fits
 from .qwen import has_random_weights
 from .settings import SETTINGS, setting
 
@@ -339,12 +340,12 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
     limits_ = Limits(**{k: check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
                                         lo=l_kinds[k][1], hi=l_kinds[k][2])
                         for k, v in l_raw.items()})
-    for key in ("temperature", "max_tokens"):
-        if getattr(sampling, key) > getattr(limits_, key):
+    for key in ("temperature", "max_tokens"):  # the defaults keep the turns' own bounds
+        if not bounds(limits_)[key].holds(getattr(sampling, key)):
             raise ConfigError(source, f"{where}.sampling.{key}",
                               f"must be at most limits.{key} ({getattr(limits_, key):g}), "
                               f"got {getattr(sampling, key):g}")
-    if len(body.get("system_prompt", "")) > limits_.system_prompt_chars:
+    if not system_prompt_fits(limits_, body.get("system_prompt", "")):
         raise ConfigError(source, f"{where}.system_prompt",
                           f"longer than limits.system_prompt_chars "
                           f"({limits_.system_prompt_chars})")

@@ -111,3 +111,12 @@ def _more_to_drop(ends: list[int], offset: int, bounds: list[int], drop: int, ex
         excess -= ends[last] - (ends[first - 1] if first > 0 else 0)
         drop += 1
     return drop
+
+
+def check_fits(prompt: Prompt, max_model_len: int) -> None:
+    """The engine's side of the context rule: the prompt and the reply's room fit. Prompts
+    from fit_history always do; this catches any other caller's."""
+    if prompt.prompt_tokens + max(prompt.max_tokens, 1) > max_model_len:
+        raise ChatError(f"The conversation is {prompt.prompt_tokens:,} tokens long and the "
+                        f"reply may take {prompt.max_tokens:,}; this model takes at most "
+                        f"{max_model_len:,} tokens in all.")

@@ -92,8 +92,8 @@ class EngineGroup:
 def engine_groups(config: Config) -> list[EngineGroup]:
     """Which presets run on which engine. Remote presets are their server's; the local
     presets on the same GPUs (without a GPU: all of them) share one engine unless
-    `engines: per-preset` (two engines on one device time-slice it: on the H200 each stream
-    got ~0.57x, on 2 CPU cores ~0.34x; BENCHMARKS.md "Both profiles at once")."""
+    `engines: per-preset` (two engines on one device time-slice it, each slowing the
+    other's streams: BENCHMARKS.md, "Both profiles at once")."""
     groups: dict[object, list[Preset]] = {}
     share = config.engines != "per-preset"
     for preset in config.used_presets():

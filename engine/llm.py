@@ -20,12 +20,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from .base import Engine
 from .chat_format import ChatFormatter
-from .errors import ChatError, ConfigError, Unavailable
-from .history import Prompt
+from .errors import ConfigError, Unavailable
+from .history import Prompt, check_fits
 from .launch import EngineSetup, process_env
 from .metrics import engine_series
-from .stats import StepStats, TurnStats
+from .stats import TurnStats
 from .steps import STEP_CLASSES_KEY
 
 log = logging.getLogger(__name__)
@@ -69,21 +70,17 @@ def importable_here():
             sys.path.remove(root)
 
 
-class PresetEngine:
+class PresetEngine(Engine):
     """An in-process vLLM engine plus the chat formatting for its model."""
 
     def __init__(self, preset: str, setup: EngineSetup):
-        self.preset = preset
+        super().__init__(preset)
         self.setup = setup
-        self.step_stats = StepStats()
         self.metrics = CollectorRegistry()  # vLLM's series for this engine (metrics.py)
         self._llm = None
         self._built = None  # handed over by the thread that builds the engine
         self._abandoned = False  # start() was cancelled: the build shuts its engine down
         self._lock = threading.Lock()
-        self._formatter: ChatFormatter | None = None
-        self.max_model_len: int | None = None
-        self.started_in_s: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -191,17 +188,15 @@ class PresetEngine:
 
     def _require(self):
         if self._llm is None:
-            raise Unavailable(f"The {self.preset} engine is not running.")
+            raise self.not_running()
         return self._llm
 
     # -- turns -------------------------------------------------------------------------
 
-    async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
+    async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                      preset: str | None = None) -> AsyncIterator[str | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early aborts the request.
-        `priority`: the turn's class on an engine with priority scheduling (lower first);
-        `preset`: whose turn it is on a shared engine (for its stats)."""
+        """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -274,15 +269,6 @@ class PresetEngine:
                 await asyncio.gather(*[one(params, n) for n in range(batch)])
                 turns += batch
         return turns
-
-
-def check_fits(prompt: Prompt, max_model_len: int) -> None:
-    """The engine's side of the context rule (history.py): the prompt and the reply's room
-    fit. Prompts from fit_history always do; this catches any other caller's."""
-    if prompt.prompt_tokens + max(prompt.max_tokens, 1) > max_model_len:
-        raise ChatError(f"The conversation is {prompt.prompt_tokens:,} tokens long and the "
-                        f"reply may take {prompt.max_tokens:,}; this model takes at most "
-                        f"{max_model_len:,} tokens in all.")
 
 
 def _first_line(exc: BaseException) -> str:

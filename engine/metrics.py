@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
-from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 
-def engine_series(registry: CollectorRegistry) -> type[PrometheusStatLogger]:
+def engine_series(registry: CollectorRegistry) -> type:
     """vLLM's Prometheus logger for one engine, writing into `registry` (a stat logger
     factory for `AsyncLLM`; being a PrometheusStatLogger, it replaces vLLM's default)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger  # only where an engine runs
 
     class EngineSeries(PrometheusStatLogger):
         _gauge_cls = functools.partial(Gauge, registry=registry)

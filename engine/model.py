@@ -25,7 +25,7 @@ from pathlib import Path
 from .errors import ChatError
 from .launch import has_cuda
 from .qwen import DUMMY_NAME, build_dummy
-from .settings import cache_dir, setting
+from .settings import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The engines of one app process: one `PresetEngine` per preset that some profile uses,
-or a `RemoteEngine` for a preset whose model runs on a remote server (`remote:`).
+"""The engines of one app process (each a base.Engine): vLLM's for the presets that some
+profile uses (one shared by the presets on a device, or one each), or a `RemoteEngine` for
+a preset whose model runs on a remote server (`remote:`).
 
 Usage (the public surface the UI relies on):
 
@@ -22,14 +23,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from .admission import Admission, Line
+from .base import Engine
 from .chat_format import Message
-from .config import Config
+from .config import Config, Profile
 from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt, fit_history
 from .launch import EngineGroup, EngineSetup, Machine, engine_groups, group_setup, seats
 from .llm import PresetEngine
 from .model import resolve_model
-from .remote import RemoteEngine
 from .settings import setting
 from .standin import StandInEngine
 from .stats import TurnStats
@@ -57,7 +58,7 @@ def _log_failure(launch: asyncio.Task) -> None:
 
 
 def engine_kind(env: Mapping[str, str] | None = None
-                ) -> Callable[[str, EngineSetup], PresetEngine]:
+                ) -> Callable[[str, EngineSetup], Engine]:
     """What runs each preset: vLLM (always, in the product) or, for benchmarks of the app
     layer only, the stand-in (`VCHAT_ENGINE=stand-in`, `VCHAT_STANDIN_TOKENS_PER_S`)."""
     if setting("VCHAT_ENGINE", env) == "vllm":
@@ -70,11 +71,11 @@ class Engines:
     """Starts, routes to and stops the per-preset engines."""
 
     def __init__(self, config: Config,
-                 engine_class: Callable[[str, EngineSetup], PresetEngine] | None = None):
+                 engine_class: Callable[[str, EngineSetup], Engine] | None = None):
         self.config = config
         self.engine_class = engine_class or engine_kind()
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
-        self.engines: dict[str, PresetEngine] = {}
+        self.engines: dict[str, Engine] = {}
         self.admission: dict[str, Admission] = {}  # by preset
         self.groups: dict[str, EngineGroup] = {}  # by engine name
         self.engine_of: dict[str, str] = {}  # preset -> the name of the engine it runs on
@@ -100,15 +101,11 @@ class Engines:
                 self.model = await asyncio.to_thread(resolve_model, self.config.model)
             self.machine = machine = await asyncio.to_thread(Machine.here)
             for group in engine_groups(self.config):
-                first = group.presets[0]
-                engine = RemoteEngine(first.name, first.remote, self.model) if first.remote \
-                    else self.engine_class(group.name, group_setup(self.config, group,
-                                                                   self.model, machine))
+                engine = self._engine(group, machine)
                 self.engines[group.name] = engine
                 self.groups[group.name] = group
                 await engine.start()
-                if first.remote is None:
-                    await self._warm_up(group, engine, machine)
+                await self._warm_up(group, engine, machine)
                 self._admit(group, engine, machine)
         except BaseException:
             self.state = "failed"
@@ -117,11 +114,20 @@ class Engines:
         self.state = "ready"
         self._watchdog = asyncio.ensure_future(self._watch())
 
-    def _admit(self, group: EngineGroup, engine, machine: Machine) -> None:
+    def _engine(self, group: EngineGroup, machine: Machine) -> Engine:
+        first = group.presets[0]
+        if first.remote is not None:  # (its HTTP clients loaded only where one is used)
+            from .remote import RemoteEngine
+
+            return RemoteEngine(first.name, first.remote, self.model)
+        return self.engine_class(group.name, group_setup(self.config, group, self.model,
+                                                         machine))
+
+    def _admit(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
         """Our lines, not vLLM's: each preset at most its seats inside, all of them within
         the engine's KV cache; a preset keeps room in it for the lower ones' turns not to
         take (its seats x twice its longest default reply, about a prompt and a reply)."""
-        line = Line(getattr(engine, "kv_tokens", None), getattr(engine, "block_size", 1))
+        line = Line(engine.kv_tokens, engine.block_size)
         for preset in group.presets:
             running = seats(self.config, preset, machine.gpu) if group.shared \
                 else engine.max_num_seqs
@@ -132,7 +138,7 @@ class Engines:
                 keep_tokens=running * 2 * max(replies, default=0) if group.shared else 0)
             self.engine_of[preset.name] = group.name
 
-    async def _warm_up(self, group: EngineGroup, engine, machine: Machine) -> None:
+    async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
         """Before /ready: the profiles' sampling in batches up to the seats (on a GPU; on a
         CPU one short turn each, as there is nothing to compile)."""
         started = time.monotonic()
@@ -171,12 +177,10 @@ class Engines:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for name, engine in list(self.engines.items()):
-                if isinstance(engine, RemoteEngine):
-                    continue
-                if not engine.running and name not in self._restarting:
+                if engine.restartable and not engine.running and name not in self._restarting:
                     self._restarting[name] = asyncio.ensure_future(self._restart(name, engine))
 
-    async def _restart(self, name: str, dead: PresetEngine) -> None:
+    async def _restart(self, name: str, dead: Engine) -> None:
         log.error("Engine %r died; restarting it", name)
         with contextlib.suppress(Exception):
             dead.shutdown()
@@ -224,33 +228,37 @@ class Engines:
 
     @property
     def restarting(self) -> set[str]:
-        """Presets whose engine died and is being started again."""
+        """Engines that died and are being started again."""
         return set(self._restarting)
 
     def priority(self, profile: str) -> int:
         """The profile's class: its preset's `priority` (lower is served first)."""
         return self.config.presets[self.config.profile(profile).preset].priority
 
-    def for_profile(self, profile: str) -> PresetEngine:
-        name = self.engine_of.get(self.config.profile(profile).preset)
+    def for_profile(self, profile: str) -> Engine:
+        return self._serving(self.config.profile(profile))
+
+    def _serving(self, profile: Profile) -> Engine:
+        """The engine that runs the profile's turns now; Unavailable while it does not."""
+        name = self.engine_of.get(profile.preset)
         if name in self._restarting:
             raise Unavailable(RESTARTING)
         engine = self.engines.get(name)
         if engine is None or not engine.running:
-            raise Unavailable(f"The engine for {profile!r} is {self.state}.")
+            raise Unavailable(f"The engine for {profile.name!r} is {self.state}.")
         return engine
 
     async def health(self) -> dict:
         """Overall verdict plus, per preset: healthy, requests in flight, peak batch. A
         remote server out of reach makes the status "unreachable", naming its presets."""
-        engines = {}
+        engines, restarting = {}, self.restarting
         for name, engine in self.engines.items():
             healthy = await engine.check_health()
-            remote = engine.remote if isinstance(engine, RemoteEngine) else None
+            remote = engine.remote
             engines[name] = {
                 "healthy": healthy,
                 "remote": f"{remote.model} at {remote.base_url}" if remote else None,
-                "restarting": name in self._restarting,
+                "restarting": name in restarting,
                 "restarts": self.restarts.get(name, 0),
                 "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
                 "peak_running": engine.step_stats.max_running,
@@ -274,18 +282,18 @@ class Engines:
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
         unreachable = [n for n, e in engines.items() if e["remote"] and not e["healthy"]]
-        status = "ok" if ok else ("restarting" if self._restarting else
+        status = "ok" if ok else ("restarting" if restarting else
                                   "unreachable" if unreachable and self.state == "ready" else
                                   self.state)
         return {"status": status, "engines": engines, "unreachable": unreachable,
                 "model": self.model,
-                "engine": StandInEngine.label if self.stand_in else "vllm",
+                "engine": StandInEngine.label if self.stand_in else Engine.label,
                 "random_weights": self.config.random_weights}
 
     def metric_registries(self) -> dict:
         """Each running vLLM engine's Prometheus registry, by preset (metrics.py)."""
         return {name: engine.metrics for name, engine in self.engines.items()
-                if getattr(engine, "metrics", None) is not None}
+                if engine.metrics is not None}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
             system_prompt: str, max_tokens: int) -> Prompt:
@@ -305,7 +313,7 @@ class Engines:
         `on_queued(place)` hears about waiting; a ChatError says the queue is full.
         """
         prof = self.config.profile(profile)
-        self.for_profile(profile)  # not running (starting, restarting): refused before queueing
+        self._serving(prof)  # not running (starting, restarting): refused before queueing
         sampling = {"temperature": prof.sampling.temperature, "top_p": prof.sampling.top_p,
                     **sampling}
         gate = self.admission[prof.preset]
@@ -313,7 +321,7 @@ class Engines:
             sampling.update(priority=gate.priority, preset=prof.preset)
         async with gate.slot(on_queued, tokens=prompt.prompt_tokens + prompt.max_tokens):
             # Looked up once admitted: the engine may have been restarted while we waited.
-            engine = self.for_profile(profile)
+            engine = self._serving(prof)
             # aclosing: when our caller leaves early, the engine's stream is closed (and its
             # request aborted) now, not whenever the garbage collector gets to it.
             async with contextlib.aclosing(engine.stream(prompt, **sampling)) as items:

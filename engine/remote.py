@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 
+from .base import Engine
 from .chat_format import ChatFormatter
 from .config import Remote
 from .errors import Busy, ChatError, ConfigError, Unavailable
-from .history import Prompt
-from .llm import check_fits
-from .stats import StepStats, TurnStats
+from .history import Prompt, check_fits
+from .stats import TurnStats
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -52,18 +52,17 @@ class Unreachable(Exception):
     """The server did not answer, or answered that it cannot serve now (5xx)."""
 
 
-class RemoteEngine:
+class RemoteEngine(Engine):
     """Turns of one preset on a remote OpenAI-compatible server, with the chat formatting
-    of its model here."""
+    of its model here. The server's scheduler is not ours to see (no step stats), nor the
+    server ours to restart."""
+
+    restartable = False
 
     def __init__(self, preset: str, remote: Remote, tokenizer: str | None = None):
-        self.preset = preset
+        super().__init__(preset)
         self.remote = remote
         self.tokenizer = remote.tokenizer or tokenizer  # a folder or hub id
-        self.step_stats = StepStats()  # the server's scheduler is not ours to see
-        self.max_model_len: int | None = None
-        self.started_in_s: float | None = None
-        self._formatter: ChatFormatter | None = None
         self._client: openai.AsyncOpenAI | None = None  # turns
         self._http: httpx.AsyncClient | None = None  # GET /models
         self._unfinished = 0
@@ -216,22 +215,16 @@ class RemoteEngine:
         """Turns this process has in flight on the server."""
         return self._unfinished
 
-    @property
-    def formatter(self) -> ChatFormatter:
-        if self._formatter is None:
-            raise Unavailable(f"The {self.preset} engine is not running.")
-        return self._formatter
-
     # -- turns -------------------------------------------------------------------------
 
-    async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
-                     ignore_eos: bool = False, seed: int | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
+    async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
+                     ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
+                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
         """Yield text deltas, then one TurnStats. Leaving early closes the HTTP stream,
-        which makes the server abort the request."""
+        which makes the server abort the request. `priority` is the server's own matter."""
         client = self._client
         if client is None:
-            raise Unavailable(f"The {self.preset} engine is not running.")
+            raise self.not_running()
         check_fits(prompt, self.max_model_len)
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
@@ -276,7 +269,7 @@ class RemoteEngine:
                 log.debug("turn %s preset=%s aborted after %d pieces", request_id, self.preset,
                           pieces)
         self._note_health(True)
-        stats = TurnStats(request_id, self.preset,
+        stats = TurnStats(request_id, preset or self.preset,
                           usage.prompt_tokens if usage else prompt.prompt_tokens,
                           usage.completion_tokens if usage else pieces, ttft,
                           time.monotonic() - started, finish)

@@ -1,9 +1,13 @@
-"""Every `VCHAT_*` environment variable the product reads, in one table, each checked.
+"""Every environment variable the product reads, in one table, each checked: the engine
+layer's, the app's, the store's and the benchmarks'. Its own are named `VCHAT_*`; two keep
+the names other software gives them (DATABASE_URL, Chainlit's CHAINLIT_AUTH_SECRET). The
+README's table lists exactly these (tests/test_config.py checks it).
 
 A value that cannot be read is a `ConfigError` naming the variable and what it takes, never
-a traceback or a silent default (`VCHAT_ENFORCE_EAGER=ture` is an error, not "false").
-Variables that override a `profiles.yaml` field name it in `overrides`; engine/config.py
-applies them. The table is data: the engine layer reads its own entries, the app its own.
+a traceback or a silent default (`VCHAT_ENFORCE_EAGER=ture` is an error, not "false"); a
+secret's value is never repeated. `check_all` reads every one at start. Variables that
+override a `profiles.yaml` field name it in `overrides`; engine/config.py applies them.
+Names that were renamed still work (`aliases`), with one warning each in the log.
 
     from engine.settings import setting
     grace_s = setting("VCHAT_SHUTDOWN_GRACE_S")
@@ -11,6 +15,7 @@ applies them. The table is data: the engine layer reads its own entries, the app
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -71,6 +77,8 @@ class Setting:
     default: str | None  # None: unset means "as profiles.yaml (or the code) says"
     doc: str
     overrides: str | None = None  # the profiles.yaml field it replaces
+    secret: bool = False  # its value is never repeated in an error
+    aliases: tuple[str, ...] = ()  # its former names, still read (with a warning)
 
 
 SETTINGS = {s.name: s for s in (
@@ -93,6 +101,16 @@ SETTINGS = {s.name: s for s in (
             "shared with a GPU, per-preset without", overrides="engines"),
     Setting("VCHAT_DATA_DIR", text, "data", "the data folder: the chat database (SQLite, "
             "unless DATABASE_URL is set) and the login secret"),
+    Setting("DATABASE_URL", text, None, "PostgreSQL instead of the data folder's SQLite "
+            "(postgresql://user:pass@host/db)", secret=True),
+    Setting("CHAINLIT_AUTH_SECRET", text, None, "signs login tokens (default: one made in "
+            "the data folder on the first start)", secret=True),
+    Setting("VCHAT_ADMIN_USER", text, None, "the first admin's name, when no account exists "
+            "yet (with VCHAT_ADMIN_PASSWORD)", aliases=("CHAT_ADMIN_USER",)),
+    Setting("VCHAT_ADMIN_PASSWORD", text, None, "the first admin's password", secret=True,
+            aliases=("CHAT_ADMIN_PASSWORD",)),
+    Setting("VCHAT_API_KEY", text, None, "the operator's key for the OpenAI-compatible API "
+            "(default: account keys only)", secret=True, aliases=("CHAT_API_KEY",)),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",
             "shortest time between a reply's streamed updates; 0 sends every engine piece"),
     Setting("VCHAT_STREAM_EVENTS_PER_S", whole(1), None,
@@ -115,19 +133,47 @@ SETTINGS = {s.name: s for s in (
             "benchmarks only: the stand-in's tokens/s per reply"),
     Setting("VCHAT_BENCH_IGNORE_EOS", flag, "0",
             "benchmarks only: every reply runs to its max tokens"),
+    Setting("VCHAT_BASELINE_BASE_URL", text, "http://127.0.0.1:8000/v1",
+            "benchmarks only: the server behind the usual Chainlit app (bench/baseline_app.py, "
+            "which reads these itself: it uses nothing of this app)"),
+    Setting("VCHAT_BASELINE_MODEL", text, "default", "benchmarks only: its model's name"),
+    Setting("VCHAT_BASELINE_API_KEY", text, "none", "benchmarks only: its API key",
+            secret=True),
+    Setting("VCHAT_BASELINE_PASSWORD", text, "", "benchmarks only: the password of any login "
+            "to the usual Chainlit app", secret=True),
+    Setting("VCHAT_BASELINE_IGNORE_EOS", flag, "0", "benchmarks only: its replies run to "
+            "their max tokens"),
 )}
+_WARNED: set[str] = set()  # former names seen, each warned about once
 
 
 def setting(name: str, env: Mapping[str, str] | None = None):
     """The checked value of `name` (its default when unset or empty; None if it has none)."""
     spec = SETTINGS[name]
-    raw = (os.environ if env is None else env).get(name) or spec.default
+    env = os.environ if env is None else env
+    given, raw = name, env.get(name)
+    for alias in spec.aliases if not raw else ():
+        if env.get(alias):
+            given, raw = alias, env[alias]
+            if alias not in _WARNED:
+                _WARNED.add(alias)
+                log.warning("%s is now called %s; the old name still works for now", alias,
+                            name)
+            break
+    raw = raw or spec.default
     if raw is None:
         return None
     try:
         return spec.parse(raw)
     except ValueError as exc:
-        raise ConfigError("environment", name, f"{exc}, got {raw!r} ({spec.doc})") from None
+        shown = "" if spec.secret else f", got {raw!r}"
+        raise ConfigError("environment", given, f"{exc}{shown} ({spec.doc})") from None
+
+
+def check_all(env: Mapping[str, str] | None = None) -> None:
+    """Every setting read once: the first one that cannot be is a ConfigError."""
+    for name in SETTINGS:
+        setting(name, env)
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:

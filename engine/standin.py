@@ -16,31 +16,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from .base import Engine
 from .chat_format import ChatFormatter
-from .errors import ChatError
-from .history import Prompt
+from .history import Prompt, check_fits
 from .launch import EngineSetup
-from .stats import StepStats, TurnStats
+from .stats import TurnStats
 
 WORDS = ("stand-in text for measuring the chat layer only no model wrote this "
          "reply").split()
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-class StandInEngine:
-    """Same surface as `PresetEngine` (what `Engines` and the app use), no model behind it."""
+class StandInEngine(Engine):
+    """An engine (base.py) with no model behind it."""
 
     label = "stand-in engine (no model)"
 
     def __init__(self, preset: str, setup: EngineSetup, tokens_per_s: float = 1000.0):
-        self.preset = preset
+        super().__init__(preset)
         self.setup = setup
         self.step_s = max(1.0 / tokens_per_s, 0.001)
         self.tokens_per_step = max(1, round(tokens_per_s * self.step_s))
-        self.step_stats = StepStats()
-        self.max_model_len: int | None = None
-        self.started_in_s: float | None = None
-        self._formatter: ChatFormatter | None = None
         self._unfinished = 0
 
     async def start(self) -> None:
@@ -71,24 +67,15 @@ class StandInEngine:
     def num_unfinished_requests(self) -> int:
         return self._unfinished
 
-    @property
-    def formatter(self) -> ChatFormatter:
-        if self._formatter is None:
-            raise ChatError(f"The {self.preset} stand-in engine is not running.")
-        return self._formatter
-
-    kv_tokens = None  # no cache to count
-    block_size = 1
-
-    async def warm_up(self, samplings: list[dict], batches: list[int]) -> int:
-        return 0  # nothing to compile
-
-    async def stream(self, prompt: Prompt, *, temperature: float = 0.7, top_p: float = 1.0,
+    async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                      preset: str | None = None) -> AsyncIterator[str | TurnStats]:
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
         (the engine never waits for its readers)."""
+        if not self.running:
+            raise self.not_running()
+        check_fits(prompt, self.max_model_len)
         max_tokens = prompt.max_tokens
         request_id = f"stand-in-{uuid.uuid4().hex}"
         started, ttft, sent = time.monotonic(), None, 0

@@ -6,8 +6,6 @@ import collections
 import threading
 from dataclasses import dataclass
 
-from vllm.v1.metrics.loggers import StatLoggerBase
-
 
 @dataclass(frozen=True)
 class TurnStats:
@@ -75,12 +73,10 @@ class StepStats:
         with self._lock:
             return self.cache_hits / self.cache_queries if self.cache_queries else None
 
-    def latest(self) -> StepSample | None:
-        with self._lock:
-            return self.samples[-1] if self.samples else None
-
     def logger_factory(self):
         """A vLLM per-engine stat logger factory that feeds this collector."""
+        from vllm.v1.metrics.loggers import StatLoggerBase  # vLLM only where an engine runs
+
         sink = self
 
         class _Recorder(StatLoggerBase):

@@ -1,9 +1,9 @@
 """What goes into each step of an engine that several presets share (`engines: shared`).
 
 In one vLLM engine every running request advances one token per step, so a step's duration
-is everyone's time between tokens: with 256 Throughput-first decodes in it, a step on the
-H200 takes ~23 ms (reading their KV cache dominates) and Latency-first streams move at that
-pace. vLLM's priority policy orders admission and preemption, not what shares a step. So
+is everyone's time between tokens: with hundreds of Throughput-first decodes in it, a step
+is long (reading their KV cache dominates) and Latency-first streams move at that pace
+(BENCHMARKS.md, "Both profiles at once"). vLLM's priority policy orders admission and preemption, not what shares a step. So
 while a higher class's turns run (or wait), each step follows that class's promise:
 
 1. Its step shape: at most its `max_num_batched_tokens` tokens and its

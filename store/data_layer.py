@@ -20,7 +20,7 @@ statement is fixed text from store/queries.py with its values bound.
 - JSON columns are written as JSON text and read back as lists and dicts on both
   databases; tag lists are TEXT[] on PostgreSQL, JSON text on SQLite. A thread known to
   exist is not read again before each step (half a turn's statements). Thread times are
-  UTC (chat/stalls.py's clock, as the app's messages and steps).
+  UTC (service/clock.py's clock, as the app's messages and steps).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, Th
 from chainlit.user import PersistedUser, User
 from sqlalchemy import text
 
-from chat.stalls import CLOCK
+from service.clock import CLOCK
 from store import queries as q
 from store import rows as rows_
 from store.schema import connect, reader
 
-log = logging.getLogger("store")
+log = logging.getLogger(__name__)
 
 KNOWN_THREADS = 50_000  # thread ids remembered as existing (update_thread)
 USER_THREADS = 1000  # a user's chats the sidebar can page through, newest first
@@ -116,10 +116,13 @@ class ChatDataLayer(BaseDataLayer):
             await self.reader.dispose()
 
     async def healthy(self) -> bool:
+        """Whether the database answers (/ready), on a reading connection: not in the
+        writes' line, and not counted as a failed write."""
         try:
-            await self.execute_sql(q.HEALTH, {})
+            async with self.reader.connect() as conn:
+                await conn.execute(text(q.HEALTH))
             return True
-        except StoreError:
+        except Exception:  # down, unreachable, refusing: what /ready says
             return False
 
     # -- users ------------------------------------------------------------------------

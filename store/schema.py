@@ -12,10 +12,11 @@ text on SQLite; tag lists are TEXT[] on PostgreSQL and JSON text on SQLite.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy import event, text
+
+from engine.settings import setting
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 READERS = 2  # SQLite connections that only read (`reader`)
@@ -24,7 +25,7 @@ READERS = 2  # SQLite connections that only read (`reader`)
 def database_url(data_dir: Path, env: dict | None = None) -> str:
     """DATABASE_URL (postgres:// or postgresql:// as servers hand them out, driven by
     asyncpg), else SQLite in `data_dir`."""
-    url = (os.environ if env is None else env).get("DATABASE_URL", "").strip()
+    url = (setting("DATABASE_URL", env) or "").strip()
     if not url:
         return f"sqlite+aiosqlite:///{Path(data_dir).resolve() / 'chat.db'}"
     for prefix in ("postgres://", "postgresql://"):

@@ -6,7 +6,7 @@ current schema, Chainlit's session-signing secret, and a first admin.
 - CHAINLIT_AUTH_SECRET signs the login tokens. From the environment when set; else the one
   generated on the first start and kept in the data folder (owner-only), so a restart keeps
   everyone logged in and nothing secret is ever committed.
-- The first admin: CHAT_ADMIN_USER / CHAT_ADMIN_PASSWORD when there is no account yet; with
+- The first admin: VCHAT_ADMIN_USER / VCHAT_ADMIN_PASSWORD when there is no account yet; with
   neither set and no account, a local admin `admin` with a generated password, which
   `first_admin` returns once for the caller to print (it is stored only as a hash).
 """
@@ -17,24 +17,21 @@ import os
 import secrets
 from pathlib import Path
 
+from engine.settings import setting
 from store.accounts import Accounts, generate_password
 
-DEFAULT_DATA_DIR = "data"
 SECRET_FILE = "auth-secret"
 
 
 def data_dir(env: dict | None = None) -> Path:
-    # Listed in engine/settings.py with the other VCHAT_ variables; read here directly so
-    # that `python -m store` does not import the engine layer (and vLLM) to find it.
-    env = os.environ if env is None else env
-    return Path(env.get("VCHAT_DATA_DIR") or DEFAULT_DATA_DIR)
+    return Path(setting("VCHAT_DATA_DIR", env))
 
 
 def auth_secret(folder: Path, env: dict | None = None) -> str:
     """The environment's CHAINLIT_AUTH_SECRET, else the data folder's, made on first use."""
-    env = os.environ if env is None else env
-    if env.get("CHAINLIT_AUTH_SECRET"):
-        return env["CHAINLIT_AUTH_SECRET"]
+    given = setting("CHAINLIT_AUTH_SECRET", env)
+    if given:
+        return given
     path = Path(folder) / SECRET_FILE
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,12 +45,11 @@ async def first_admin(accounts: Accounts, env: dict | None = None
                       ) -> tuple[str, str | None] | None:
     """Create the first admin if there is no account. Returns None when accounts exist,
     else (name, generated password or None when the environment gave it)."""
-    env = os.environ if env is None else env
     if await accounts.count():
         return None
-    name, password = env.get("CHAT_ADMIN_USER"), env.get("CHAT_ADMIN_PASSWORD")
+    name, password = setting("VCHAT_ADMIN_USER", env), setting("VCHAT_ADMIN_PASSWORD", env)
     if bool(name) != bool(password):
-        raise ValueError("set both CHAT_ADMIN_USER and CHAT_ADMIN_PASSWORD, or neither")
+        raise ValueError("set both VCHAT_ADMIN_USER and VCHAT_ADMIN_PASSWORD, or neither")
     if name:
         await accounts.add(name, password, role="admin")
         return name, None

@@ -124,8 +124,8 @@ async def test_a_chat_left_for_a_new_one_leaves_nothing_in_memory(server):
 
 async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(tmp_path):
     data = str(tmp_path / "data")
-    env = {**STAND_IN, "VCHAT_DATA_DIR": data, "CHAT_ADMIN_USER": TEST_USER,
-           "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+    env = {**STAND_IN, "VCHAT_DATA_DIR": data, "VCHAT_ADMIN_USER": TEST_USER,
+           "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD}
     async with serving(env, timeout=120) as srv:
         add_user(srv, "other", "the other user's password")
         alice = ChatClient(srv.url, "Latency-first")
@@ -158,7 +158,7 @@ async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(
 
 async def test_without_an_admin_configured_the_first_start_prints_one_password(tmp_path):
     # A data folder of our own: the launcher then sets no admin of its own either.
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_ADMIN_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VCHAT_ADMIN_")}
     async with serving({**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data")}, base,
                        timeout=120) as srv:
         found = re.search(r"log in as 'admin' with the password '([^']+)'", srv.log())
@@ -178,7 +178,7 @@ async def test_a_resumed_chat_continues_with_the_same_context_after_a_restart(tm
     holds turn 1 exactly as a live chat's would (same token count as turn 2 of a live chat
     with the same turn 1; the stats line shown under replies is not part of it)."""
     env = {**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data"),
-           "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+           "VCHAT_ADMIN_USER": TEST_USER, "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD}
     first, second = "Remember the word heliotrope.", "Which word did I ask you to remember?"
 
     async def turn(client: ChatClient, text: str) -> dict:
@@ -249,7 +249,7 @@ async def test_a_reply_cut_off_by_a_closed_browser_is_stored_as_shown(server):
 
 async def test_a_write_the_database_refuses_is_told_to_the_user(tmp_path):
     env = {**STAND_IN, "VCHAT_DATA_DIR": str(tmp_path / "data"),
-           "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+           "VCHAT_ADMIN_USER": TEST_USER, "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD}
     async with serving(env, timeout=120) as srv:
         user = ChatClient(srv.url, "Latency-first")
         await user.connect()

@@ -103,7 +103,7 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
     assert series(after, "vchat_turns_running", profile="Latency-first") == 0
     # The first token timed from the message's arrival (the app's part included) as well.
     assert grew("vchat_app_time_to_first_token_seconds_count", profile="Latency-first") == 1
-    # The app's event loop is watched from the start (chat/stalls.py, LoopLag).
+    # The app's event loop is watched from the start (service/loop.py, LoopLag).
     assert series(after, "vchat_event_loop_lag_seconds_count") > series(
         before, "vchat_event_loop_lag_seconds_count") > 0
     turns = [json.loads(line) for line in server.log().splitlines()

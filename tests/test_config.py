@@ -1,6 +1,7 @@
 """profiles.yaml validation: every kind of mistake gets one clear message."""
 
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -12,7 +13,8 @@ import yaml
 
 from engine import ConfigError, load_config
 from engine.launch import GIB, Machine, cpu_dtype, engine_groups, engine_setup, group_setup
-from engine.settings import SETTINGS, setting
+from engine import settings as settings_module
+from engine.settings import SETTINGS, Setting, check_all, setting
 from engine.steps import STEP_CLASSES_KEY
 from tools.chainlit_client import chainlit_command, side_by_side
 
@@ -151,16 +153,70 @@ def test_settings_read_their_values_and_defaults():
     assert setting("VCHAT_ENFORCE_EAGER", {}) is None  # unset: profiles.yaml decides
     assert setting("VCHAT_SHUTDOWN_GRACE_S", {}) == 10.0
     assert setting("VCHAT_STREAM_INTERVAL_MS", {"VCHAT_STREAM_INTERVAL_MS": "0"}) == 0
-    assert all(name.startswith("VCHAT_") and spec.doc for name, spec in SETTINGS.items())
+    # One prefix, but for the names other software gives them.
+    assert all((name.startswith("VCHAT_") or name in ("DATABASE_URL", "CHAINLIT_AUTH_SECRET"))
+               and spec.doc for name, spec in SETTINGS.items())
 
 
-def test_the_code_reads_no_vchat_variable_outside_the_table():
-    """One table: every VCHAT_ name the Python code mentions is in it."""
-    names = set()
+def test_the_code_reads_no_variable_of_its_own_outside_the_table():
+    """One table (issue 28: CHAT_ and BASELINE_ names, DATABASE_URL and the data folder were
+    read beside it): every name of the product's own the code mentions is in it, as a name
+    or a former name; and the environment reads of any other name are other software's
+    (vLLM's, CUDA's, a request's HTTP_ headers) or the stack sampler's diagnostic switch."""
+    known = set(SETTINGS) | {a for s in SETTINGS.values() for a in s.aliases}
+    names, reads = set(), set()
     for path in [*ROOT.glob("*.py"), *ROOT.glob("engine/*.py"), *ROOT.glob("chat/*.py"),
-                 *ROOT.glob("bench/*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("store/*.py")]:
-        names |= set(re.findall(r"VCHAT_[A-Z_]+", path.read_text()))
-    assert names <= set(SETTINGS), names - set(SETTINGS)
+                 *ROOT.glob("api/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tools/*.py"),
+                 *ROOT.glob("store/*.py"), *ROOT.glob("service/*.py")]:
+        code = path.read_text()
+        names |= set(re.findall(r"\b(?:VCHAT_[A-Z_]+|CHAT_(?:ADMIN|API)_[A-Z_]+|"
+                                r"BASELINE_[A-Z_]+|DATABASE_URL|CHAINLIT_AUTH_SECRET)\b", code))
+        if path.name != "settings.py":
+            reads |= set(re.findall(r'(?:environ|env)(?:\.get\(|\[)"([A-Z][A-Z0-9_]+)"', code))
+    assert names <= known, names - known
+    others = {r for r in reads - known
+              if not r.startswith(("VLLM_", "CUDA_", "TRITON_", "HTTP_", "STACK_SAMPLES"))}
+    assert others == set(), others
+
+
+def test_the_readmes_table_lists_exactly_the_settings():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| variable | what | default |"):]
+    table = table[:table.index("\n\n")]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        listed |= set(re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split("|")[1]))
+    assert listed == set(SETTINGS), (listed - set(SETTINGS), set(SETTINGS) - listed)
+
+
+def test_a_former_name_still_works_once_warned_and_a_secret_is_never_repeated(caplog):
+    settings_module._WARNED.discard("CHAT_API_KEY")
+    with caplog.at_level(logging.WARNING, logger="engine.settings"):
+        assert setting("VCHAT_API_KEY", {"CHAT_API_KEY": "old key"}) == "old key"
+        assert setting("VCHAT_API_KEY", {"CHAT_API_KEY": "old key"}) == "old key"
+        assert setting("VCHAT_API_KEY", {"CHAT_API_KEY": "old", "VCHAT_API_KEY": "new"}) == \
+            "new"
+    assert ["CHAT_API_KEY is now called VCHAT_API_KEY" in r.getMessage()
+            for r in caplog.records] == [True], "warned once"
+    with pytest.raises(ConfigError) as err:
+        setting("VCHAT_BASELINE_IGNORE_EOS", {"VCHAT_BASELINE_IGNORE_EOS": "sure"})
+    assert "'sure'" in str(err.value)
+    secret = Setting("VCHAT_X", settings_module.whole(1), None, "a secret number", secret=True)
+    with pytest.raises(ConfigError) as err:
+        with_settings({"VCHAT_X": secret}, lambda: setting("VCHAT_X", {"VCHAT_X": "hunter2"}))
+    assert "hunter2" not in str(err.value) and "VCHAT_X" in str(err.value)
+    check_all({})  # every default reads
+    with pytest.raises(ConfigError, match="VCHAT_GC_YOUNG_OBJECTS"):
+        check_all({"VCHAT_GC_YOUNG_OBJECTS": "0"})
+
+
+def with_settings(extra: dict, call):
+    settings_module.SETTINGS.update(extra)
+    try:
+        return call()
+    finally:
+        for name in extra:
+            settings_module.SETTINGS.pop(name)
 
 
 def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():

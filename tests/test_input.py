@@ -1,10 +1,10 @@
-"""Checking what users send (chat/input.py) and the per-session turn limits (session.py)."""
+"""Checking what users send (service/input.py) and the per-session turn limits (session.py)."""
 
 import dataclasses
 
 import pytest
 
-from chat.input import check_message
+from service.input import check_message
 from chat.session import Conversation
 from engine import ChatError, load_config
 

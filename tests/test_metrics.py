@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chat.metrics import JsonLines, TurnMetrics, TurnRecord
+from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
 from engine import TurnStats
 from engine.metrics import PresetSeries
 

@@ -22,7 +22,7 @@ OPERATOR_KEY = "operator-key-for-tests-0123456789"
 @pytest.fixture(scope="module")
 async def server():
     # Replies run to max_tokens (the benchmark switch): their lengths are known.
-    async with serving({"CHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"}) as srv:
+    async with serving({"VCHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"}) as srv:
         yield srv
 
 

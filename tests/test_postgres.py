@@ -111,7 +111,7 @@ async def test_hostile_values_reach_no_statements_text_and_no_other_account_on_p
 async def test_the_app_on_postgresql_keeps_chats_apart_and_across_a_restart(pg, tmp_path):
     url = pg.new_database()
     env = {**STAND_IN, "DATABASE_URL": url, "VCHAT_DATA_DIR": str(tmp_path / "data"),
-           "CHAT_ADMIN_USER": TEST_USER, "CHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+           "VCHAT_ADMIN_USER": TEST_USER, "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD}
     first, second = "Remember the word heliotrope.", "Which word did I ask you to remember?"
     async with serving(env, timeout=120) as srv:  # creates the first admin, as no one exists
         add_user(srv, "other", "another long password")

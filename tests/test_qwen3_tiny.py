@@ -33,7 +33,8 @@ async def test_qwen3_architecture_streams_through_the_engine(qwen_engine):
     assert hf_config.architectures == ["Qwen3ForCausalLM"] and hf_config.head_dim == 128
     prompt = fit_history(qwen_engine.formatter, [], Message("user", "Hello"), system_prompt="",
                          max_model_len=qwen_engine.max_model_len, max_tokens=8)
-    items = [item async for item in qwen_engine.stream(prompt, ignore_eos=True, temperature=0)]
+    items = [item async for item in qwen_engine.stream(prompt, ignore_eos=True, temperature=0,
+                                                          top_p=1.0)]
     stats = items[-1]
     assert isinstance(stats, TurnStats) and stats.output_tokens == 8
     assert all(isinstance(x, str) for x in items[:-1])

@@ -68,8 +68,8 @@ def question_of(steps: list[dict]) -> dict:
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 async def site(request, tmp_path_factory):
-    env = {**STAND_IN, "CHAT_API_KEY": API_KEY, "CHAT_ADMIN_USER": TEST_USER,
-           "CHAT_ADMIN_PASSWORD": TEST_PASSWORD,
+    env = {**STAND_IN, "VCHAT_API_KEY": API_KEY, "VCHAT_ADMIN_USER": TEST_USER,
+           "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD,
            "VCHAT_DATA_DIR": str(tmp_path_factory.mktemp(f"security-{request.param}"))}
     pg = None
     if request.param == "postgres":

@@ -1,9 +1,9 @@
-"""chat/shutdown.py: the drain's own logic (pure asyncio). The real server's graceful stop
+"""service/shutdown.py: the drain's own logic (pure asyncio). The real server's graceful stop
 is tested in tests/test_process.py."""
 
 import asyncio
 
-from chat.shutdown import Shutdown
+from service.shutdown import Shutdown
 
 
 async def test_drain_waits_for_turns_that_finish_in_time_and_cuts_the_rest():

@@ -1,8 +1,10 @@
-"""chat/stalls.py: what would stop the event loop every chat session shares."""
+"""chat/stalls.py and service/: what would stop the event loop every chat session shares
+(Chainlit's constructor pause, the collector), how it is watched, and the stored clock."""
 
 import asyncio
 import gc
 import time
+import weakref
 from datetime import datetime
 
 import chainlit.utils
@@ -12,6 +14,7 @@ from chainlit.message import Message
 from chainlit.step import Step
 
 from chat import stalls
+from service import clock, loop
 
 
 @pytest.fixture
@@ -45,8 +48,8 @@ async def test_chainlits_constructors_no_longer_block_the_event_loop(sleeps):
 
 
 def test_the_clock_never_repeats_itself_and_keeps_chainlits_format():
-    clock = stalls.OrderedClock()
-    times = [clock.utc_now() for _ in range(5000)]  # far more than one per microsecond
+    ordered = clock.OrderedClock()
+    times = [ordered.utc_now() for _ in range(5000)]  # far more than one per microsecond
     assert all(a < b for a, b in zip(times, times[1:])), "strictly increasing, as text"
     assert all(t.endswith("Z") and len(t) == len("2026-12-01T08:00:00.000000Z") for t in times)
     first = datetime.fromisoformat(times[0].removesuffix("Z"))
@@ -60,17 +63,22 @@ async def test_steps_made_back_to_back_are_ordered_by_their_creation_time(sleeps
     assert all(a < b for a, b in zip(created, created[1:]))
 
 
+class Cycle:
+    pass
+
+
 def test_the_long_lived_heap_is_left_out_of_collections():
     try:
-        frozen = stalls.freeze_heap()
+        frozen = loop.freeze_heap()
         assert frozen > 10_000  # this process: pytest, chainlit...
         # Frozen objects may be freed at once by reference counting (another thread's
         # leftovers, say): the count only ever goes down from what was returned.
         assert 0.99 * frozen <= gc.get_freeze_count() <= frozen
-        young = [object() for _ in range(10)]
-        # Frozen objects may still be freed (by reference counting); none are added.
-        assert gc.get_freeze_count() <= frozen, "objects made later are collected as usual"
+        young = Cycle()
+        young.itself, gone = young, weakref.ref(young)  # garbage only a collection finds
         del young
+        gc.collect()
+        assert gone() is None, "objects made later are collected as usual"
     finally:
         gc.unfreeze()  # the rest of the test session as it was
 
@@ -79,7 +87,7 @@ async def test_loop_lag_sees_a_blocked_loop_and_nothing_when_it_keeps_up():
     """The timer comes back on time while the loop is idle; blocked for 0.3 s, it comes
     back that late, and the lag says so."""
     seen: list[float] = []
-    lag = stalls.LoopLag(seen.append, every_s=0.02)
+    lag = loop.LoopLag(seen.append, every_s=0.02)
     lag.start()
     lag.start()  # idempotent: one watcher
     await asyncio.sleep(0.2)
@@ -99,7 +107,7 @@ def test_gc_pauses_times_every_collection_by_its_generation_until_stopped():
     """A full collection over many objects is timed as generation 2 (the stall a stack
     sampler cannot see), once per collection; stopped, nothing more."""
     seen: list[tuple[int, float]] = []
-    pauses = stalls.GcPauses(lambda generation, s: seen.append((generation, s)))
+    pauses = loop.GcPauses(lambda generation, s: seen.append((generation, s)))
     pauses.start()
     pauses.start()  # idempotent: one callback
     try:
@@ -123,7 +131,7 @@ def test_young_collections_come_after_the_given_number_of_new_objects():
     older generations' are Python's."""
     kept = gc.get_threshold()
     try:
-        assert stalls.collect_less_often(50_000) == (50_000, *kept[1:])
+        assert loop.collect_less_often(50_000) == (50_000, *kept[1:])
         gc.collect()
         made = [[] for _ in range(20_000)]  # fewer new containers than the threshold
         assert gc.get_count()[0] >= 20_000, "no young collection ran meanwhile"

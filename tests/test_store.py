@@ -318,13 +318,13 @@ async def test_the_first_admin_comes_from_the_environment_or_is_generated_once(e
     await migrate(engine)
     accounts = Accounts(engine)
     with pytest.raises(ValueError, match="both"):
-        await first_admin(accounts, env={"CHAT_ADMIN_USER": "root"})
+        await first_admin(accounts, env={"VCHAT_ADMIN_USER": "root"})
     name, password = await first_admin(accounts, env={})
     assert name == "admin" and len(password) >= 16
     assert (await accounts.verify("admin", password)).role == "admin"
     assert await first_admin(accounts, env={}) is None, "accounts exist: nothing made"
     await accounts.remove("admin")
-    given = {"CHAT_ADMIN_USER": "root", "CHAT_ADMIN_PASSWORD": "a long given secret"}
+    given = {"VCHAT_ADMIN_USER": "root", "VCHAT_ADMIN_PASSWORD": "a long given secret"}
     assert await first_admin(accounts, env=given) == ("root", None)
     assert (await accounts.verify("root", "a long given secret")).role == "admin"
 

@@ -103,23 +103,27 @@ async def test_a_reply_counts_on_the_pace_from_its_first_piece_until_it_ends():
     assert pace.streams == 0
 
 
-async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing():
+async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing(config):
     # The stand-in, like vLLM, joins the tokens it made while nobody pulled.
     from engine import Prompt
     from engine.launch import EngineSetup
+    from engine.model import resolve_model
     from engine.standin import StandInEngine
 
-    engine = StandInEngine("p", EngineSetup({"model": "unused"}), tokens_per_s=1000)
+    model = await asyncio.to_thread(resolve_model, config.model)
+    engine = StandInEngine("p", EngineSetup({"model": model}), tokens_per_s=1000)
+    await engine.start()  # its tokenizer: a stand-in serves only once started, like vLLM
     prompt = Prompt((), "", list(range(4)), 400, 400, 0)
     pace = Pace(fastest=0.04, slowest=0.2)
     pace.by_rank[0] = 64  # many replies at once: the longest interval, 0.2 s
     sink, pulls = Sink(), 0
     out = Coalescer(sink.send, pace=pace)
-    async for item in engine.stream(prompt):
+    async for item in engine.stream(prompt, temperature=0.7, top_p=1.0):
         if isinstance(item, str):
             pulls += 1
             await out.feed(item)
     await out.close()
+    engine.shutdown()
     words = sink.text.split()
     assert len(words) == 400 and words[:3] == ["stand-in", "text", "for"]
     # 400 tokens at 1,000/s take ~0.4 s: a few updates 0.2 s apart, each one pull, where

@@ -37,8 +37,9 @@ async def test_the_stand_in_is_labelled_for_operators_and_users(server):
 
 
 async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server):
-    """app.py's settle_after_start (chat/stalls.py): the device's streaming pace, Chainlit's
-    blocking constructor pause skipped, the long-lived heap out of the collector's walks."""
+    """app.py's settle_after_start (chat/stalls.py, service/loop.py): the device's streaming
+    pace, Chainlit's blocking constructor pause skipped, the long-lived heap out of the
+    collector's walks."""
     pattern = re.compile(r"streaming pace: (\d+) updates/s .* constructor pause skipped: "
                          r"(\w+); (\d+) long-lived objects")
     for _ in range(100):  # it runs right after the engines are up

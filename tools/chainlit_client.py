@@ -312,7 +312,7 @@ class Server:
         if not (extra_env or {}).get("VCHAT_DATA_DIR"):  # a fresh database and first admin
             env["VCHAT_DATA_DIR"] = tempfile.mkdtemp(prefix="vchat-data-")
             env.pop("DATABASE_URL", None)
-            env["CHAT_ADMIN_USER"], env["CHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
+            env["VCHAT_ADMIN_USER"], env["VCHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
         self.env = env
         self.proc = subprocess.Popen(
             chainlit_command() + ["run", app, "--headless", "--port", str(self.port)],

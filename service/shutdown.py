@@ -1,8 +1,9 @@
 """Graceful shutdown: on SIGTERM or Ctrl+C stop taking new turns, let the turns in flight
 finish within a grace period, end the rest cleanly, then let the server stop.
 
-No UI code here: app.py calls `handle_signals` once the server runs, registers each turn
-with `turn()`, refuses new ones while `closing`, and words what the users see.
+No UI code here: app.py calls `handle_signals` once the server runs and refuses new turns
+while `closing`; chat/turns.py registers each turn with `turn()` and words what the users
+see.
 """
 
 from __future__ import annotations

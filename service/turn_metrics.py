@@ -5,7 +5,8 @@ Every message that reaches a turn is counted `started` and ends as exactly one o
 `refused` with reason `engine` (the line was full, the engine restarting or unreachable).
 Messages refused before a turn began are `refused` with reason `message` (empty,
 too long, too many this minute, one already being answered) or `closing` (shutting down).
-Tokens count finished turns. No Chainlit calls here: app.py reports, this file keeps count.
+Tokens count finished turns. No UI here: service/turn.py (each turn, for the chat and the
+API) and app.py (messages refused before a turn) report, this file keeps count.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine import TurnStats
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# By this name, not the module's: the README gives it to operators to filter on.
 turn_log = logging.getLogger("vchat.turns")
 
 
@@ -108,14 +110,14 @@ class TurnMetrics:
                                   "finished turns", by, buckets=TTFT_BUCKETS,
                                   registry=registry)
         self.loop_lag = Histogram("vchat_event_loop_lag_seconds", "How late the app's event "
-                                  "loop ran a timer that was due (chat/stalls.py)",
+                                  "loop ran a timer that was due (service/loop.py)",
                                   buckets=LAG_BUCKETS, registry=registry)
         self.sessions_held = Gauge("vchat_chat_sessions_held", "What the app holds in "
                                    "memory of chat sessions: the sessions (open, or closed "
                                    "and kept for a reconnect) and their message lists",
                                    ["what"], registry=registry)
         self.gc_pause = Histogram("vchat_gc_pause_seconds", "How long each of Python's "
-                                  "garbage collections stopped the app (chat/stalls.py)",
+                                  "garbage collections stopped the app (service/loop.py)",
                                   ["generation"], buckets=LAG_BUCKETS, registry=registry)
 
     def gc_paused(self, generation: int, seconds: float) -> None:

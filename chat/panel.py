@@ -1,0 +1,48 @@
+"""What Chainlit shows beside the chat: the profile menu and a session's settings panel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import chainlit as cl
+from chainlit.input_widget import Slider, Switch, TextInput
+
+from chat.session import Conversation
+from engine.config import Config
+
+
+def profile_menu(config: Config):
+    """Chainlit's `set_chat_profiles` hook for `config`'s profiles. It answers a finished
+    future: Chainlit runs a coroutine here nested in the event loop once per connecting
+    session, and a few dozen connects at once ended in RecursionError
+    (test_app.py::test_many_sessions_connect_at_once)."""
+
+    def chat_profiles(current_user=None, language=None) -> asyncio.Future:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result([
+            cl.ChatProfile(
+                name=p.name, markdown_description=p.description, icon=p.icon or None,
+                default=p is config.default_profile,
+                starters=[cl.Starter(label=s.label, message=s.message) for s in p.starters],
+            )
+            for p in config.profiles
+        ])
+        return done
+
+    return chat_profiles
+
+
+def settings_panel(conv: Conversation) -> cl.ChatSettings:
+    """The settings a user may change, within the profile's limits, as they are now."""
+    limits, now = conv.profile.limits, conv.settings
+    return cl.ChatSettings([
+        Slider(id="temperature", label="Temperature", initial=now.temperature, min=0,
+               max=limits.temperature, step=0.05,
+               description="Higher is more varied, lower more focused."),
+        Slider(id="max_tokens", label="Max tokens", initial=now.max_tokens, min=1,
+               max=limits.max_tokens, step=1, description="Longest reply, in tokens."),
+        TextInput(id="system_prompt", label="System prompt", initial=now.system_prompt,
+                  multiline=True,
+                  description=f"At most {limits.system_prompt_chars:,} characters."),
+        Switch(id="show_stats", label="Show stats under replies", initial=now.show_stats),
+    ])

@@ -1,0 +1,51 @@
+"""The bounds a turn's numbers must keep, from a profile's limits: the one rule that the chat's
+settings panel, the OpenAI API and profiles.yaml's own check (its sampling defaults within
+its limits) all apply. Each front end words its refusal; the bounds are these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SEED_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Bound:
+    name: str  # the request's field
+    label: str  # as the settings panel names it
+    kind: type  # int or float (a float bound takes whole numbers too; never a bool)
+    lo: float
+    hi: float
+    lo_open: bool = False  # the lowest value itself is out
+
+    def holds(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        return (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi
+
+    def span(self) -> str:
+        """"from 1 to 1024", or "above 0 and at most 1"."""
+        lo, hi = shown(self.lo), shown(self.hi)
+        return f"above {lo} and at most {hi}" if self.lo_open else f"from {lo} to {hi}"
+
+
+def shown(value: float) -> str:
+    """A bound as people write it: 0, 1.5, 1024, 9223372036854775807."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def bounds(limits) -> dict[str, Bound]:
+    """The bounds of a profile's `Limits` (engine/config.py), by field."""
+    return {b.name: b for b in (
+        Bound("temperature", "Temperature", float, 0.0, limits.temperature),
+        Bound("max_tokens", "Max tokens", int, 1, limits.max_tokens),
+        Bound("top_p", "Top p", float, 0.0, 1.0, lo_open=True),
+        Bound("seed", "Seed", int, 0, SEED_MAX),
+    )}
+
+
+def system_prompt_fits(limits, text: str) -> bool:
+    return len(text) <= limits.system_prompt_chars

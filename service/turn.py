@@ -1,0 +1,98 @@
+"""One turn, the same for the chat and the OpenAI API: fitted to its profile's engine,
+streamed as text (the engine's stats kept aside), and counted and logged once however it
+ends (turn_metrics.py). The front ends keep what is theirs: Chainlit's rendering, pacing,
+Stop and Regenerate (chat/turns.py), JSON and server-sent events (api/openai.py).
+
+    turn = Turn(engines, metrics, profile_name, user="alice", message=text)
+    try:
+        prompt = turn.fit(history, Message("user", text), system_prompt="", max_tokens=512)
+        async for piece in turn.stream(prompt, temperature=0.7, top_p=0.9):
+            ...                      # text only; turn.stats once the engine is done
+    except BaseException as exc:
+        turn.end(exc)                # stopped, refused or failed (logged with its trace)
+        raise
+    turn.end()                       # finished
+
+What a user may send is checked before a turn begins, against the profile's limits
+(service/input.py for a message, engine/limits.py for the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from engine import ChatError, Engines, Message, Prompt, TurnStats
+
+from .turn_metrics import TurnMetrics, TurnRecord
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The turn ended because its user went away (a client that closed its connection);
+    Stop, a closed browser and shutdown cancel the task instead. Either is `stopped`."""
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """How a turn that ended with `exc` is counted (None: it finished)."""
+    if exc is None:
+        return "finished"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit, Stopped)):
+        return "stopped"
+    if isinstance(exc, ChatError):  # explained: the line full, the engine not serving...
+        return "refused"
+    return "failed"
+
+
+class Turn:
+    """Begun when made: counted `started`, and ended once by `end`."""
+
+    def __init__(self, engines: Engines, metrics: TurnMetrics, profile: str, *,
+                 user: str | None, message: str, arrived: float | None = None,
+                 ignore_eos: bool = False):
+        self.engines, self.metrics, self.profile = engines, metrics, profile
+        self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
+        self.record = TurnRecord("failed", user, profile, message=message)
+        self.record.arrived = arrived  # when the message reached the server (monotonic)
+        self.stats: TurnStats | None = None  # the engine's, once it finished the reply
+        self.reply = ""  # what the user got, for the log line (the front end says)
+        self._ended = False
+        metrics.begin(profile)
+
+    def fit(self, history: Sequence[Message], new: Message, *, system_prompt: str,
+            max_tokens: int) -> Prompt:
+        """The conversation fitted to the engine's context (engine/history.py)."""
+        return self.engines.fit(self.profile, history, new, system_prompt=system_prompt,
+                                max_tokens=max_tokens)
+
+    async def stream(self, prompt: Prompt,
+                     on_queued: Callable[[int], Awaitable[None]] | None = None,
+                     **sampling) -> AsyncIterator[str]:
+        """The reply's text as the engine writes it (after its place in line, which
+        `on_queued(place)` hears about); `stats` holds the engine's figures at the end.
+        Leaving early ends the turn on the engine."""
+        async with contextlib.aclosing(self.engines.stream(
+                prompt, self.profile, on_queued=on_queued, ignore_eos=self.ignore_eos,
+                **sampling)) as items:
+            async for item in items:
+                if isinstance(item, TurnStats):
+                    self.stats = item
+                else:
+                    self.record.first_token_sent()
+                    yield item
+
+    def end(self, exc: BaseException | None = None) -> str:
+        """Counted and logged, once (a later call changes nothing); the outcome."""
+        if self._ended:
+            return self.record.outcome
+        self._ended = True
+        self.record.outcome = outcome_of(exc)
+        if self.record.outcome == "failed":  # a bug or an engine failure: with its trace
+            log.error("turn failed", exc_info=exc)
+        self.record.reply = self.reply
+        self.metrics.end(self.record, self.stats if self.record.outcome == "finished"
+                         else None)
+        return self.record.outcome
