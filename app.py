@@ -65,8 +65,8 @@ try:
     # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
     IGNORE_EOS = setting("VCHAT_BENCH_IGNORE_EOS")
     SETTLING: set[asyncio.Task] = set()
-    # A reply's streamed text goes out at most this often (chat/streaming.py); 0: every piece.
-    # Until the engines know their device (settle_after_start), the CPU's pace.
+    # A reply's text goes out at most this often (chat/streaming.py; 0: every piece), at
+    # the CPU's pace until the engines know their device (settle_after_start).
     PACE = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)
     # On SIGTERM or Ctrl+C, turns in flight get this long to finish before they are cut short.
     SHUTDOWN = Shutdown(setting("VCHAT_SHUTDOWN_GRACE_S"))
@@ -85,8 +85,7 @@ try:
     GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
-    # GET /ready, /notice and /metrics (api/ops.py); the app's series by profile
-    # (service/turn_metrics.py) in its registry.
+    # GET /ready, /notice and /metrics (api/ops.py), the app's series by profile in it.
     OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice)
     http.include_router(OPS.router)
     TURN_METRICS = TurnMetrics(OPS.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
@@ -155,9 +154,10 @@ async def settle_after_start() -> None:
     with contextlib.suppress(ChatError):  # a failed start is reported elsewhere
         await ENGINES.ready()
     PACE.events_per_s = setting("VCHAT_STREAM_EVENTS_PER_S") or Pace.events_for(bool(ENGINES.gpu))
+    frozen, took = loop.timed(loop.freeze_heap)  # a full collection: all sessions wait
     log.info("streaming pace: %d updates/s in all before replies slow down; Chainlit's "
-             "constructor pause skipped: %s; %d long-lived objects out of garbage collection",
-             PACE.events_per_s, stalls.constructor_pause_skipped(), loop.freeze_heap())
+             "constructor pause skipped: %s; %d long-lived objects out of garbage collection"
+             " (%.2f s)", PACE.events_per_s, stalls.constructor_pause_skipped(), frozen, took)
 
 
 @cl.on_app_shutdown

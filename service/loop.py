@@ -40,6 +40,12 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
+def timed(call: Callable[[], object]) -> tuple[object, float]:
+    """What `call()` returns, and the seconds it took."""
+    began = time.perf_counter()
+    return call(), time.perf_counter() - began
+
+
 def collect_less_often(young: int) -> tuple[int, int, int]:
     """Python's young collections after `young` new objects instead of 700; returns the
     thresholds now in force (2. above)."""
