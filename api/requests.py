@@ -17,10 +17,10 @@ from starlette.responses import JSONResponse
 
 from service.input import check_message
 from engine import ChatError, Message, Profile
+from engine.chat_format import ROLES
 from engine.config import Config
 from engine.limits import Bound, bounds, system_prompt_fits
 
-ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_BODY_MB)
 # OpenAI's fields this server cannot honour: refused, not silently ignored.
 UNSUPPORTED = ("logprobs", "top_logprobs")

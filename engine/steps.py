@@ -13,7 +13,9 @@ while a higher class's turns run (or wait), each step follows that class's promi
    step stays within it. How many join is adjusted from the measured duration of the
    steps that only decode; the ones that sit a step out are those served longest ago, so
    they take turns, and each gets at least one step in `SLOWEST_SHARE`.
-3. Its turns come first in the step's order, so a token budget never runs out before them.
+3. Its turns come first in the step's order, and the lower classes' turns let in leave
+   room for its waiting turns' first prompt pieces, so a token budget never runs out
+   before them (vLLM admits a waiting turn only with budget left after the running ones).
 
 This module is the policy alone (no vLLM); engine/scheduler.py applies it inside vLLM's
 scheduler, in the engine's own process.
@@ -77,7 +79,8 @@ class StepPlanner:
         """`running`: (request id, priority) in the engine's order; `waiting`: priorities
         of the requests not yet running. None when the step needs no arranging."""
         self.step += 1
-        classes = [p for _, p in running] + list(waiting)
+        waiting = list(waiting)
+        classes = [p for _, p in running] + waiting
         if not classes:
             return None
         top = min(classes)
@@ -97,8 +100,15 @@ class StepPlanner:
             seats = max(floor, min(len(lower), round(self.seats)))
         order = {rid: i for i, rid in enumerate(own + lower)}
         budget = promise.max_num_batched_tokens
-        if budget is not None:  # every turn let in gets its decode token
-            budget = max(budget, len(own) + (seats if paced else floor))
+        if budget is not None:
+            # The class's room: a token for each of its running turns and, within the
+            # budget, a prompt piece for each of its waiting ones. vLLM takes the running
+            # turns first and admits a waiting one only with budget left over, so the lower
+            # turns let in (at least their share) must leave the room free.
+            piece = promise.long_prefill_token_threshold or 1
+            room = len(own) + min(waiting.count(top) * piece, max(0, budget - len(own)))
+            seats = max(floor, min(seats, budget - room))
+            budget = max(budget, room + seats)
         return Plan(frozenset(lower[seats:]), order, budget,
                     promise.long_prefill_token_threshold, seats if paced else None,
                     promise.step_ms if paced else None)

@@ -28,7 +28,7 @@ from store.sessions import LoginSessions
 HASHER = PasswordHasher()
 MIN_PASSWORD_CHARS = 8
 MAX_DELAY_S = 8.0
-ROLES = ("admin", "user")
+ACCOUNT_ROLES = ("admin", "user")
 _DUMMY_HASH = HASHER.hash(secrets.token_urlsafe(16))
 # What goes with an account (besides its sessions and the account itself), in this order.
 _CHATS_OF = 'SELECT "id" FROM threads WHERE "userIdentifier" = :i'
@@ -103,8 +103,8 @@ class Accounts:
             raise AccountError("a user name needs 1 to 200 characters")
         if len(password) < MIN_PASSWORD_CHARS:
             raise AccountError(f"a password needs at least {MIN_PASSWORD_CHARS} characters")
-        if role not in ROLES:
-            raise AccountError(f"role {role!r}: one of {', '.join(ROLES)}")
+        if role not in ACCOUNT_ROLES:
+            raise AccountError(f"role {role!r}: one of {', '.join(ACCOUNT_ROLES)}")
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         hashed = await asyncio.to_thread(HASHER.hash, password)
         async with self.engine.begin() as conn:

@@ -6,10 +6,10 @@ step shape and pace while its turns run; Throughput-first's turns taking turns).
 import asyncio
 import dataclasses
 import os
-import uuid
 
 import pytest
 
+from bench.waiting_turn import generate as tokens_of
 from engine import Engines, load_config
 from tests.test_engine import collect, fitted
 
@@ -148,19 +148,6 @@ async def test_throughput_first_waits_for_cache_latency_first_keeps(shared):
     assert line.held == 0 and low.waiting == 0
     health = await shared.health()
     assert health["engines"][SHARED]["preempted"] == 0
-
-
-async def tokens_of(llm, prompt, max_tokens: int, priority: int, counts: dict, key) -> None:
-    """One request straight on vLLM's engine, counting its tokens as they come."""
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.7,
-                            top_p=0.9, output_kind=RequestOutputKind.DELTA)
-    counts[key] = 0
-    async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids), params,
-                                  f"steps-{uuid.uuid4().hex}", priority=priority):
-        counts[key] += len(out.outputs[0].token_ids)
 
 
 async def test_while_latency_first_runs_throughput_first_turns_take_turns(shared):

@@ -74,7 +74,7 @@ def test_without_a_pace_the_budget_alone_bounds_the_step_and_the_least_served_go
     planner = StepPlanner({LF: ClassSteps(max_num_batched_tokens=6,
                                           long_prefill_token_threshold=4)})
     first = planner.plan(running(2, 8))
-    assert first.lower_seats is None and not first.skip
+    assert first.lower_seats is None and len(first.skip) == 4  # what the budget leaves
     assert first.long_prefill_token_threshold == 4
     assert first.max_num_batched_tokens == 6  # two top turns + the one-in-8 share fit
     taken = [r for r in sorted(first.order, key=first.order.get)][:6]
@@ -85,3 +85,26 @@ def test_without_a_pace_the_budget_alone_bounds_the_step_and_the_least_served_go
     assert set(following[2:6]) == {f"tf{i}" for i in range(4, 8)}, "unserved ones first"
     # Many lower turns: the budget grows to hold the top class and one lower turn in 8.
     assert planner.plan(running(2, 64)).max_num_batched_tokens == 2 + 64 // SLOWEST_SHARE
+
+
+def test_a_waiting_top_turn_finds_room_in_the_step_however_many_lower_turns_run():
+    """vLLM takes the running turns first and admits a waiting one only with budget left:
+    the lower turns let in leave the top class a prompt piece for each waiting turn (within
+    its budget), never less than their own share. Without the room, 40 running
+    Throughput-first turns filled every 24-token step and a Latency-first turn waited
+    until they ended (tests/test_waiting_turns.py runs it on the real engine)."""
+    planner = StepPlanner({LF: ClassSteps(max_num_batched_tokens=24,
+                                          long_prefill_token_threshold=12)})
+    for lf_running, lf_waiting in ((0, 1), (2, 1), (0, 10), (3, 0)):
+        plan = planner.plan(running(lf_running, 40), waiting=[LF] * lf_waiting + [TF] * 5)
+        let_in = 40 - len(plan.skip)
+        room = plan.max_num_batched_tokens - let_in - lf_running  # after a token each
+        assert room >= min(12 * lf_waiting, 24 - lf_running), (lf_running, lf_waiting, plan)
+        assert let_in >= 40 // SLOWEST_SHARE, "the lower turns keep their share"
+        assert plan.max_num_batched_tokens <= 24 + 40 // SLOWEST_SHARE
+    # Paced, the learnt seats are capped the same way.
+    paced = StepPlanner({LF: ClassSteps(max_num_batched_tokens=24,
+                                        long_prefill_token_threshold=12, step_ms=50)})
+    paced.seats = 30.0
+    plan = paced.plan(running(0, 40), waiting=[LF])
+    assert plan.lower_seats == 12 and plan.max_num_batched_tokens == 24

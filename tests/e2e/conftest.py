@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ class Visit:
     origin: str
     console_errors: list[str] = field(default_factory=list)
     elsewhere: list[str] = field(default_factory=list)  # requests to other origins
+    refused: list[str] = field(default_factory=list)  # "400 GET /path" for each 4xx/5xx
 
 
 @pytest.fixture
@@ -111,6 +113,11 @@ async def visiting(browser, server: Server):
             if m.type == "error" else None)
     page.on("request", lambda r: seen.elsewhere.append(r.url)
             if not r.url.startswith(server.url) and not r.url.startswith("data:") else None)
+    # The console names no URL for a failed load ("Failed to load resource: ... 400"):
+    # which request it was comes from here, for the failure message.
+    page.on("response", lambda r: seen.refused.append(
+        f"{r.status} {r.request.method} {r.url.removeprefix(server.url)}")
+        if r.status >= 400 else None)
     try:
         yield seen
     finally:
@@ -128,6 +135,7 @@ async def log_in(visit: Visit, user: str = TEST_USER, password: str = TEST_PASSW
     # Logged out, Chainlit's page asks for the user first and logs the 401 it gets as an
     # error (its way of finding that it must show the login form): counted from here on.
     visit.console_errors.clear()
+    visit.refused.clear()
 
 
 async def shot(visit: Visit, name: str) -> Path:
@@ -188,6 +196,25 @@ async def watch_reply(visit: Visit, before: int, timeout: float = 180) -> list[s
     return states
 
 
+# A request of the socket's long-polling transport that Engine.IO's server answers 400 when
+# it comes after the socket upgraded to a websocket or closed (the page reconnecting for a
+# resumed chat): the client drops it and carries on, and the user sees nothing. CI once
+# failed the resume test on a console 400 whose URL the console does not give (2026-12-03;
+# not seen here in 9 runs of that test): this race is the likeliest cause. Any other refused
+# request still fails a test, and the message lists every refused request by URL.
+TRANSPORT_RACE = re.compile(r"^400 (GET|POST) /ws/socket\.io/\?.*transport=polling")
+FAILED_LOAD = "Failed to load resource: the server responded with a status of "
+
+
 def assert_clean(visit: Visit) -> None:
+    """No request left the app's origin and the console holds no error, but for a failed
+    load that was the socket transport's race (each excused by one such refused request)."""
     assert visit.elsewhere == [], f"requests left the app's origin: {visit.elsewhere}"
-    assert visit.console_errors == [], visit.console_errors
+    races = sum(1 for r in visit.refused if TRANSPORT_RACE.match(r))
+    errors = []
+    for error in visit.console_errors:
+        if races and error.startswith(FAILED_LOAD + "400"):
+            races -= 1
+        else:
+            errors.append(error)
+    assert errors == [], (errors, visit.refused)
