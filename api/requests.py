@@ -87,10 +87,12 @@ def read(body, config: Config) -> tuple[Profile, dict]:
     temperature = given(body, "temperature", sampling.temperature)
     top_p = given(body, "top_p", sampling.top_p)
     seed = given(body, "seed", None)
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_p", top_p), ("seed", seed)):
-        if value is not None or name != "seed":
-            within(bounds(limits)[name], value, profile)
+    asked = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+    if seed is not None:
+        asked["seed"] = seed
+    checks = bounds(limits)
+    for name, value in asked.items():
+        within(checks[name], value, profile)
     return profile, {"history": history[:-1], "new": Message("user", new.text),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
                      "stream": stream, "include_usage": given(options, "include_usage",

@@ -9,6 +9,7 @@ from chainlit.input_widget import Slider, Switch, TextInput
 
 from chat.session import Conversation
 from engine.config import Config
+from engine.limits import bounds
 
 
 def profile_menu(config: Config):
@@ -35,12 +36,14 @@ def profile_menu(config: Config):
 def settings_panel(conv: Conversation) -> cl.ChatSettings:
     """The settings a user may change, within the profile's limits, as they are now."""
     limits, now = conv.profile.limits, conv.settings
+    temperature, max_tokens = (bounds(limits)[k] for k in ("temperature", "max_tokens"))
     return cl.ChatSettings([
-        Slider(id="temperature", label="Temperature", initial=now.temperature, min=0,
-               max=limits.temperature, step=0.05,
+        Slider(id=temperature.name, label=temperature.label, initial=now.temperature,
+               min=temperature.lo, max=temperature.hi, step=0.05,
                description="Higher is more varied, lower more focused."),
-        Slider(id="max_tokens", label="Max tokens", initial=now.max_tokens, min=1,
-               max=limits.max_tokens, step=1, description="Longest reply, in tokens."),
+        Slider(id=max_tokens.name, label=max_tokens.label, initial=now.max_tokens,
+               min=max_tokens.lo, max=max_tokens.hi, step=1,
+               description="Longest reply, in tokens."),
         TextInput(id="system_prompt", label="System prompt", initial=now.system_prompt,
                   multiline=True,
                   description=f"At most {limits.system_prompt_chars:,} characters."),

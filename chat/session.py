@@ -128,10 +128,11 @@ class Conversation:
     def update_settings(self, values: dict) -> list[str]:
         """Apply valid values; return one message per refused value (those stay as they were)."""
         limits, problems, changes = self.profile.limits, [], {}
+        checks = bounds(limits)
         for key in ("temperature", "max_tokens"):
             if key not in values:
                 continue
-            bound = bounds(limits)[key]
+            bound = checks[key]
             value = _number(values[key], bound.kind)
             if value is None or not bound.holds(value):
                 problems.append(f"{bound.label} must be between {shown(bound.lo)} and "

@@ -340,8 +340,9 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
     limits_ = Limits(**{k: check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
                                         lo=l_kinds[k][1], hi=l_kinds[k][2])
                         for k, v in l_raw.items()})
+    checks = bounds(limits_)
     for key in ("temperature", "max_tokens"):  # the defaults keep the turns' own bounds
-        if not bounds(limits_)[key].holds(getattr(sampling, key)):
+        if not checks[key].holds(getattr(sampling, key)):
             raise ConfigError(source, f"{where}.sampling.{key}",
                               f"must be at most limits.{key} ({getattr(limits_, key):g}), "
                               f"got {getattr(sampling, key):g}")

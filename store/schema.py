@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import event, text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from engine.settings import setting
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 READERS = 2  # SQLite connections that only read (`reader`)
 
