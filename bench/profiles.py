@@ -107,30 +107,66 @@ LAG = "vchat_event_loop_lag_seconds"
 ENGINE_TTFT = "vchat_time_to_first_token_seconds"
 APP_TTFT = "vchat_app_time_to_first_token_seconds"
 GC = "vchat_gc_pause_seconds"
+LEGS = "vchat_first_token_legs_seconds"
 BUCKET = re.compile(r'^(\w+)_bucket\{(.*)\} (\S+)$')
+SUM_COUNT = re.compile(r'^(\w+)_(sum|count)\{(.*)\} (\S+)$')
+
+
+def add_leg(legs: dict, line: str) -> None:
+    """One line of the LEGS histogram, Latency-first's, into `legs`."""
+    found = SUM_COUNT.match(line) or BUCKET.match(line)
+    if not found or found[1] != LEGS:
+        return
+    kind, labels, value = found.groups()[-3:] if found.re is SUM_COUNT \
+        else ("buckets", *found.groups()[1:])
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    if labels.get("profile") != LF:
+        return
+    leg = legs.setdefault(labels["leg"], {"sum": 0.0, "count": 0.0, "buckets": {}})
+    if kind == "buckets":
+        leg["buckets"][float(labels["le"])] = float(value)
+    else:
+        leg[kind] = float(value)
 
 
 async def counters(url: str) -> dict:
-    """vLLM's generated tokens and preemptions so far, all engines together; the app's
-    event-loop lag, its full garbage collections' pauses and Latency-first's TTFT
-    histograms, the engine's and the app's (cumulative by `le`); the time all collections
-    stopped the app; from /metrics."""
+    """vLLM's generated tokens and preemptions so far, all engines together; the app
+    process's CPU seconds (its own, not the engine's processes); the app's event-loop lag, its full garbage collections' pauses and Latency-first's TTFT
+    histograms, the engine's and the app's (cumulative by `le`), and the engine's by leg
+    (LEGS: {leg: {"sum", "count", "buckets"}}); the time all collections stopped the app;
+    from /metrics."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(url + "/metrics")).text
-    out: dict = {"tokens": 0.0, "preempted": 0.0, "gc_s": 0.0, LAG: {}, ENGINE_TTFT: {},
-                 APP_TTFT: {}, GC: {}}
+    out: dict = {"tokens": 0.0, "preempted": 0.0, "gc_s": 0.0, "cpu_s": 0.0, LAG: {}, ENGINE_TTFT: {},
+                 APP_TTFT: {}, GC: {}, LEGS: {}}
     for line in text.splitlines():
         for key, name in (("tokens", "vllm:generation_tokens_total"),
                           ("preempted", "vllm:num_preemptions_total"),
-                          ("gc_s", GC + "_sum")):
+                          ("gc_s", GC + "_sum"), ("cpu_s", "process_cpu_seconds_total")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] += float(line.rsplit(" ", 1)[1])
+        if line.startswith(LEGS):
+            add_leg(out[LEGS], line)
+            continue
         bucket = BUCKET.match(line)
         if bucket and bucket[1] in (LAG, ENGINE_TTFT, APP_TTFT, GC):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', bucket[2]))
             if bucket[1] == LAG or labels.get("profile") == LF or \
                     labels.get("generation") == "2":
                 out[bucket[1]][float(labels["le"])] = float(bucket[3])
+    return out
+
+
+def legs_between(before: dict, after: dict) -> dict:
+    """Latency-first's first-token legs over the turns that finished between two scrapes:
+    each leg's mean (exact) and p95 (its bucket's upper bound), seconds."""
+    out = {}
+    for leg, now in after.items():
+        then = before.get(leg, {"sum": 0.0, "count": 0.0, "buckets": {}})
+        count = now["count"] - then["count"]
+        if count > 0:
+            out[leg] = {"mean_s": round((now["sum"] - then["sum"]) / count, 4),
+                        "p95_s": bucket_quantile(then["buckets"], now["buckets"])}
     return out
 
 
@@ -141,8 +177,11 @@ async def measured(url: str, work) -> tuple[object, float, dict]:
     the app's longest stall (its bucket's bound: a collection, a blocking call),
     and Latency-first's TTFT inside the app, from the engine's call to its first token and
     from the message's arrival to its first token sent (p95s; turns that finished
-    meanwhile), and how long garbage collections stopped the app (in all; the longest full
-    one). Quantiles of histograms: their buckets' upper bounds."""
+    meanwhile) and the engine's part by leg (to the engine's process, queued, prefill, back
+    through this process's output path), how busy the app's process was (its CPU seconds a
+    second: 1.0 is a core, and its event loop has one), and how long garbage collections
+    stopped the app (in all; the longest full one). Quantiles of histograms: their
+    buckets' upper bounds."""
     client_lag: list[float] = []
     watch = LoopLag(client_lag.append, every_s=0.05)
     watch.start()
@@ -158,6 +197,8 @@ async def measured(url: str, work) -> tuple[object, float, dict]:
            "client_loop_lag_max_s": pct(client_lag, 100),
            "lf_engine_ttft_p95_s": bucket_quantile(before[ENGINE_TTFT], after[ENGINE_TTFT]),
            "lf_app_ttft_p95_s": bucket_quantile(before[APP_TTFT], after[APP_TTFT]),
+           "lf_engine_ttft_legs": legs_between(before[LEGS], after[LEGS]),
+           "app_cpu_share": round((after["cpu_s"] - before["cpu_s"]) / (t1 - t0), 3),
            "app_gc_paused_s": round(after["gc_s"] - before["gc_s"], 3),
            "app_full_gc_max_s": bucket_quantile(before[GC], after[GC], 1.0)}
     return result, (after["tokens"] - before["tokens"]) / (t1 - t0), app

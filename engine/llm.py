@@ -26,7 +26,7 @@ from .errors import ConfigError, Unavailable
 from .history import Prompt, check_fits
 from .launch import EngineSetup, process_env
 from .metrics import engine_series
-from .stats import TurnStats
+from .stats import FIRST_TOKEN_LEGS, TurnStats
 from .steps import STEP_CLASSES_KEY
 
 log = logging.getLogger(__name__)
@@ -209,14 +209,15 @@ class PresetEngine(Engine):
         )
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
-        ttft, out_tokens, finish, done = None, 0, "abort", False
+        ttft, legs, out_tokens, finish, done = None, None, 0, "abort", False
         try:
             async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
                                              params, request_id, **self._priority(priority)):
                 completion = output.outputs[0]
                 out_tokens += len(completion.token_ids)
                 if ttft is None and completion.token_ids:
-                    ttft = time.monotonic() - started
+                    now = time.monotonic()
+                    ttft, legs = now - started, first_token_legs(llm, request_id, started, now)
                 if completion.text:
                     yield completion.text
                 if output.finished:
@@ -233,7 +234,7 @@ class PresetEngine(Engine):
                 log.debug("turn %s preset=%s aborted after %d tokens", request_id,
                           self.preset, out_tokens)
         stats = TurnStats(request_id, preset or self.preset, prompt.prompt_tokens, out_tokens,
-                          ttft, time.monotonic() - started, finish)
+                          ttft, time.monotonic() - started, finish, legs)
         log.debug("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
                   self.preset, stats.prompt_tokens, stats.output_tokens,
                   f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
@@ -269,6 +270,25 @@ class PresetEngine(Engine):
                 await asyncio.gather(*[one(params, n) for n in range(batch)])
                 turns += batch
         return turns
+
+
+def first_token_legs(llm, request_id: str, started: float, now: float
+                     ) -> dict[str, float] | None:
+    """Where a turn's first token spent its time (stats.FIRST_TOKEN_LEGS), from the
+    timestamps vLLM's output processor keeps for a live request: the engine process's
+    (taken in, first scheduled, first token out) between the turn's `started` and `now`,
+    all `time.monotonic()`, one clock for every process on the machine. None where vLLM
+    kept none (stats off, or the request already finished)."""
+    processor = llm.output_processor
+    try:
+        internal = processor.external_req_ids.get(request_id) or [request_id]
+        stats = processor.request_states[internal[0]].stats
+        marks = (started, stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, now)
+    except (AttributeError, KeyError, IndexError):  # another vLLM's layout: no legs
+        return None
+    if not all(marks[1:4]):
+        return None
+    return {leg: round(b - a, 6) for leg, a, b in zip(FIRST_TOKEN_LEGS, marks, marks[1:])}
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,6 +18,9 @@ class TurnStats:
     ttft_s: float | None  # time to first token; None when no token came
     elapsed_s: float
     finish_reason: str  # "stop", "length", "abort", ...
+    # Where the first token's time went (FIRST_TOKEN_LEGS, seconds); None where the engine
+    # does not say (a remote server, the stand-in, or no token came).
+    first_token_legs: dict[str, float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -25,6 +28,15 @@ class TurnStats:
         if self.ttft_s is None or self.output_tokens < 2 or self.elapsed_s <= self.ttft_s:
             return 0.0
         return (self.output_tokens - 1) / (self.elapsed_s - self.ttft_s)
+
+
+# The legs of a first token in an in-process vLLM engine, in order; they add up to ttft_s.
+FIRST_TOKEN_LEGS = (
+    "to_engine",  # from the turn's call to vLLM's engine process taking the request in
+    "queued",  # waiting in vLLM's scheduler for its first step
+    "prefill",  # from that step to the first token's output (prompt steps, the GPU's time)
+    "back",  # from that output to the turn holding the token (this process's output path)
+)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,11 @@ rm -rf "$stage" && mkdir -p "$stage/wheels" .gpu
   "$stage"/wheels/*.whl
 # Not loaded by a server: source maps of the web page, the copilot widget's code, scripts.
 # Its folder chainlit/copilot/dist stays: chainlit.server refuses to import without it.
+# Nor the web page's scripts (2.2 MB packed): the H200 runs drive the app with socket
+# clients, never a browser, and the two archives with the tree must fit a call's 64 MiB.
 find "$stage/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$stage/site/chainlit" -name '*.map' -delete
+rm -f "$stage/site/chainlit/frontend/dist/assets/"*.js "$stage/site/chainlit/frontend/dist/assets/"*.mjs
 rm -rf "$stage/site/bin" "$stage/site/chainlit/copilot/dist/"*
 tar -C "$stage/site" -cf - . | xz -6 -T2 > .gpu/app.tar.xz
 ls -l .gpu/*.tar.xz

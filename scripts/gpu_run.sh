@@ -18,6 +18,7 @@
 #                                                  through the app) for each engine layout
 #                                                  (shared, per-preset), in the background
 #   scripts/gpu_run.sh OUT wait DIR [SECONDS]      wait for that bench; copy DIR into OUT
+#   scripts/gpu_run.sh OUT profiles LAYOUT [ARGS]  one layout in the foreground (fits a call)
 # With STACK_SAMPLES=DIR/stacks:START_S:STOP_S set, the app's process samples its own
 # stacks (tools/stack_sampler.py): where its event loop's time goes, under load.
 # Through the device tool: run(command="scripts/gpu_run.sh $OUT tests", carry=[".gpu"]).
@@ -78,6 +79,13 @@ case "$step" in
         --log '$out'/server-\${l/:/-}.log $* 2>&1 | grep -v 'Unclosed\|client_session'; \
         done >> '$out/bench.log'; touch '$out/done'" > "$out/bench-start.log" 2>&1 < /dev/null &
     echo "profiles bench started in the background: scripts/gpu_run.sh OUT wait $out" ;;
+  profiles)  # bench.profiles for one LAYOUT in the foreground: on 2026-12-03 a background
+    # start did not outlive its call (its folder was gone in the next call on the same
+    # machine), so a run that fits one call (10 min) is made in it.
+    layout=${1:?profiles LAYOUT [ARGS]}; shift; e=${layout%%:*}; v=${layout#"$e"}
+    VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.profiles --engines "$e" ${v:+--variant "${v#:}"} \
+      --out "$out/gpu-h200-profiles-${layout/:/-}.json" --log "$out/server-${layout/:/-}.log" \
+      "$@" 2>&1 | grep -v 'Unclosed\|client_session' | tee "$out/bench.log" | tail -c 6000 ;;
   wait)
     dir=${1:?wait DIR [SECONDS]}; limit=${2:-540}; waited=0
     while [ ! -f "$dir/done" ] && [ "$waited" -lt "$limit" ]; do sleep 5; waited=$((waited + 5)); done

@@ -40,6 +40,7 @@ class TurnRecord:
     app_ttft_ms: float | None = None  # in the app: from the message's arrival to the first
     # token handed to the socket (the engine's part, the database's check of the login, the
     # history's fitting, the event loop's queue)
+    ttft_legs_ms: str | None = None  # ttft_ms's legs in the engine, "leg:ms,..." (stats.py)
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     reason: str | None = None  # why it was refused
@@ -105,6 +106,11 @@ class TurnMetrics:
                               "in the engine, finished turns", by, buckets=TTFT_BUCKETS,
                               registry=registry)
 
+        self.ttft_legs = Histogram("vchat_first_token_legs_seconds", "Where the engine's "
+                                   "time to the first token went, by leg (to_engine, queued, "
+                                   "prefill, back: engine/stats.py), finished turns",
+                                   [*by, "leg"], buckets=LAG_BUCKETS + (5, 10),
+                                   registry=registry)
         self.app_ttft = Histogram("vchat_app_time_to_first_token_seconds", "Time from a "
                                   "message's arrival to its reply's first token sent, "
                                   "finished turns", by, buckets=TTFT_BUCKETS,
@@ -148,6 +154,11 @@ class TurnMetrics:
             self.output_tokens.labels(profile).inc(stats.output_tokens)
             if stats.ttft_s is not None:
                 self.ttft.labels(profile).observe(stats.ttft_s)
+            if stats.first_token_legs:
+                for leg, seconds in stats.first_token_legs.items():
+                    self.ttft_legs.labels(profile, leg).observe(max(0.0, seconds))
+                record.ttft_legs_ms = ",".join(f"{leg}:{seconds * 1000:.1f}" for leg, seconds
+                                               in stats.first_token_legs.items())
             if record.app_ttft_ms is not None:
                 self.app_ttft.labels(profile).observe(record.app_ttft_ms / 1000)
         if record.outcome == "refused":

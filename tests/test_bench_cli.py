@@ -131,3 +131,26 @@ def test_a_histograms_quantile_between_two_scrapes_counts_only_what_grew():
     assert bucket_quantile(before, after, 0.95) == 1.0
     assert bucket_quantile(before, after, 0.999) == float("inf")
     assert bucket_quantile(after, after) is None  # nothing observed meanwhile
+
+
+def test_latency_first_first_token_legs_are_read_between_two_scrapes():
+    """bench/profiles.py's legs of Latency-first's engine TTFT: from the app's /metrics
+    text, only Latency-first's series, and only the turns that finished in between."""
+    from bench.profiles import LEGS, LF, add_leg, legs_between
+
+    def scrape(count: float, total: float, under_10ms: float) -> dict:
+        legs: dict = {}
+        for profile, scale in ((LF, 1), ("Throughput-first", 100)):
+            for line in (f'{LEGS}_bucket{{leg="queued",le="0.01",profile="{profile}"}} '
+                         f'{under_10ms}',
+                         f'{LEGS}_bucket{{leg="queued",le="0.1",profile="{profile}"}} {count}',
+                         f'{LEGS}_bucket{{leg="queued",le="+Inf",profile="{profile}"}} {count}',
+                         f'{LEGS}_count{{leg="queued",profile="{profile}"}} {count}',
+                         f'{LEGS}_sum{{leg="queued",profile="{profile}"}} {total * scale}',
+                         f'{LEGS}_created{{leg="queued",profile="{profile}"}} 1.7e9'):
+                add_leg(legs, line)
+        return legs
+
+    before, after = scrape(10, 0.1, 10), scrape(20, 0.5, 10)  # 10 more turns, 40 ms each
+    assert legs_between(before, after) == {"queued": {"mean_s": 0.04, "p95_s": 0.1}}
+    assert legs_between(after, after) == {}

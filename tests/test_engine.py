@@ -62,6 +62,20 @@ async def test_stream_yields_deltas_that_join_to_the_final_text(engines):
     assert final.outputs[0].text == text
 
 
+async def test_a_first_tokens_legs_come_from_the_engines_own_clock_and_add_up(engines):
+    """The legs (to the engine process, queued, prefill, back) are read from vLLM's
+    per-request timestamps: each is a real interval of one clock (none negative, the
+    prompt's step takes time) and together they are the turn's TTFT."""
+    from engine.stats import FIRST_TOKEN_LEGS
+
+    _, _, stats = await run_turn(engines, max_tokens=4, ignore_eos=True)
+    legs = stats.first_token_legs
+    assert legs is not None and tuple(legs) == FIRST_TOKEN_LEGS
+    assert all(seconds >= 0 for seconds in legs.values()), legs
+    assert legs["prefill"] > 0, legs
+    assert sum(legs.values()) == pytest.approx(stats.ttft_s, abs=1e-4)
+
+
 async def test_each_turn_gets_a_fresh_request_id(engines):
     _, _, first = await run_turn(engines, max_tokens=2)
     _, _, second = await run_turn(engines, max_tokens=2)

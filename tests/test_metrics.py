@@ -106,3 +106,25 @@ def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
     unsent = TurnRecord("finished", "bob", "Latency-first")  # no arrival: an edit, the API
     unsent.first_token_sent()
     assert unsent.app_ttft_ms is None
+
+
+def test_the_engines_first_token_legs_are_counted_by_leg_and_logged(caplog):
+    registry = CollectorRegistry()
+    turns = TurnMetrics(registry)
+    legs = {"to_engine": 0.002, "queued": 0.010, "prefill": 0.030, "back": 0.008}
+    with caplog.at_level(logging.INFO, logger="vchat.turns"):
+        turns.begin("Latency-first")
+        turns.end(TurnRecord("finished", "ann", "Latency-first"),
+                  TurnStats("chat-1", "latency-first", 30, 12, 0.05, 0.5, "stop", legs))
+        turns.begin("Latency-first")  # an engine that says nothing of its legs
+        turns.end(TurnRecord("finished", "bob", "Latency-first"),
+                  TurnStats("chat-2", "latency-first", 30, 12, 0.05, 0.5, "stop"))
+    found = samples(registry)
+    for leg, seconds in legs.items():
+        key = (("leg", leg), ("profile", "Latency-first"))
+        assert found[("vchat_first_token_legs_seconds_count", key)] == 1
+        assert found[("vchat_first_token_legs_seconds_sum", key)] == seconds
+    first, second = (json.loads(JsonLines().format(r)) for r in caplog.records
+                     if r.name == "vchat.turns")
+    assert first["ttft_legs_ms"] == "to_engine:2.0,queued:10.0,prefill:30.0,back:8.0"
+    assert "ttft_legs_ms" not in second
