@@ -4,7 +4,8 @@ kept figures from `make bench`'s JSON, and the plot of several engine layouts si
     python -m bench.profile_figures bench/results/gpu-h200-profiles-*.json \\
         --out bench/results/gpu-h200-profiles.json --plot bench/results/gpu-h200-profiles.png
 
-merges the runs of each layout (a rerun of some phases over the first run's), works out
+merges the runs of each layout (a rerun of some phases over the first run's; `--pool
+PHASE`: that phase's pairs from all of them), works out
 issue 27's targets for each (`--kept FILE`: with engine/raw from `make bench`'s JSON) and
 draws every target, measured against its mark, per layout.
 """
@@ -164,18 +165,31 @@ PHASE_KEYS = ("first_burst", "one_user", "light", "long_prompts", "saturated",
               "saturated_preempted", "saturated_load")
 
 
-def merged(runs: list[dict]) -> dict[str, dict]:
+POOLED = {"light": "light", "long_prompts": "long_prompts", "saturated": "saturated",
+          "saturated_preempted": "saturated"}  # a phase's keys, for --pool
+
+
+def merged(runs: list[dict], pool: tuple[str, ...] = ()) -> dict[str, dict]:
     """Runs by layout (their label); runs of one layout merged phase by phase, a later
-    run's phases over an earlier's (a rerun of some phases), with where each came from."""
+    run's phases over an earlier's (a rerun of some phases), with where each came from.
+    A phase in `pool` instead takes the pairs of every run of the layout that has it (runs
+    of the same code on different machines: their medians over all the pairs), and their
+    preemptions added up."""
     out: dict[str, dict] = {}
     for run in runs:
         label = run.get("label") or run["engines"]
         into = out.setdefault(label, {"label": label, "engines": run["engines"],
                                       "variant": run.get("variant"), "from": {}})
         for key in PHASE_KEYS:
-            if key in run:
+            if key not in run:
+                continue
+            if POOLED.get(key) in pool and key in into:
+                into[key] = into[key] + run[key]  # pairs' lists, or preemptions' counts
+                into["from"][key] = [*into["from"][key], run.get("source")]
+            else:
                 into[key] = run[key]
-                into["from"][key] = run.get("source")
+                into["from"][key] = [run.get("source")] if POOLED.get(key) in pool \
+                    else run.get("source")
     for run in out.values():
         run["targets"] = targets(run)
     return out
@@ -188,13 +202,17 @@ def main() -> None:
     p.add_argument("--kept", help="make bench's JSON with the kept figures, added to each")
     p.add_argument("--out", help="write the layouts' merged figures and targets (JSON) here")
     p.add_argument("--plot", help="write the plot (PNG) here")
+    p.add_argument("--pool", nargs="+", default=[], choices=["light", "long_prompts",
+                                                             "saturated"],
+                   help="phases whose pairs are taken from every run of a layout that has "
+                        "them, rather than the last run's")
     args = p.parse_args()
     runs = []
     for name in args.runs:
         run = json.loads(Path(name).read_text())
         run["source"] = Path(name).name
         runs.append(run)
-    layouts = merged(runs)
+    layouts = merged(runs, tuple(args.pool))
     for label, run in layouts.items():
         if args.kept:
             run["targets"] += kept_targets(json.loads(Path(args.kept).read_text()))

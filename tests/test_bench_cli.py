@@ -154,3 +154,30 @@ def test_latency_first_first_token_legs_are_read_between_two_scrapes():
     before, after = scrape(10, 0.1, 10), scrape(20, 0.5, 10)  # 10 more turns, 40 ms each
     assert legs_between(before, after) == {"queued": {"mean_s": 0.04, "p95_s": 0.1}}
     assert legs_between(after, after) == {}
+
+
+def test_the_profiles_figures_pool_a_phases_pairs_across_runs_when_asked():
+    """bench/profile_figures.py --pool saturated: the saturated pairs of every run of the
+    layout count (two runs of the same code on two machines), and their preemptions add
+    up; the phases not pooled still come from the last run that has them."""
+    from bench.profile_figures import merged
+
+    def pair(ttft):
+        return {"both": {"probes": {"Latency-first": {"tok_s_median": 100, "ttft_p95_s": ttft,
+                                                      "gap_p95_s": 0.05}}},
+                "total_ratio": 0.9}
+
+    runs = [{"label": "shared", "engines": "shared", "source": "h.json",
+             "light": [{"ratio": 0.9}], "saturated": [pair(t) for t in (1.36, 0.71, 0.49)],
+             "saturated_preempted": 2},
+            {"label": "shared", "engines": "shared", "source": "i.json",
+             "light": [{"ratio": 0.5}], "saturated": [pair(t) for t in (0.14, 0.25, 0.44)],
+             "saturated_preempted": 0}]
+    pooled = merged(runs, ("saturated",))["shared"]
+    ttft = next(t for t in pooled["targets"] if t["name"].startswith("saturated: Latency-first "
+                                                                     "TTFT"))
+    assert ttft["measured"] == 0.465  # the median of the 6 pairs; the last run alone: 0.25
+    assert len(pooled["saturated"]) == 6 and pooled["saturated_preempted"] == 2
+    assert pooled["from"]["saturated"] == ["h.json", "i.json"]
+    assert pooled["light"] == [{"ratio": 0.5}] and pooled["from"]["light"] == "i.json"
+    assert merged(runs)["shared"]["saturated_preempted"] == 0  # not pooled: the last run's
