@@ -57,6 +57,7 @@ class Turn:
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
         self.record.arrived = arrived  # when the message reached the server (monotonic)
+        self.record.turn_began()
         self.stats: TurnStats | None = None  # the engine's, once it finished the reply
         self.reply = ""  # what the user got, for the log line (the front end says)
         self._ended = False

@@ -41,12 +41,18 @@ class TurnRecord:
     # token handed to the socket (the engine's part, the database's check of the login, the
     # history's fitting, the event loop's queue)
     ttft_legs_ms: str | None = None  # ttft_ms's legs in the engine, "leg:ms,..." (stats.py)
+    to_turn_ms: float | None = None  # app_ttft_ms's first part: the message's arrival to its
+    # turn's start (the socket's handler, the login's check, Chainlit's own handling)
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     reason: str | None = None  # why it was refused
     message: str | None = None
     reply: str | None = None
     arrived: float | None = None  # time.monotonic() of the message's arrival; not logged
+
+    def turn_began(self) -> None:
+        if self.arrived is not None:
+            self.to_turn_ms = round((time.monotonic() - self.arrived) * 1000, 1)
 
     def first_token_sent(self) -> None:
         if self.app_ttft_ms is None and self.arrived is not None:

@@ -112,6 +112,13 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
     assert mine["profile"] == "Latency-first" and mine["preset"] == "latency-first"
     assert mine["user"] and mine["request_id"] and mine["output_tokens"] >= 1
     assert mine["app_ttft_ms"] >= mine["ttft_ms"] > 0 and "arrived" not in mine
+    # ... and split: the app's part before its turn began, the engine's by leg.
+    assert 0 <= mine["to_turn_ms"] <= mine["app_ttft_ms"] - mine["ttft_ms"] + 1
+    legs = dict(leg.split(":") for leg in mine["ttft_legs_ms"].split(","))
+    assert list(legs) == ["to_engine", "queued", "prefill", "back"]
+    assert abs(sum(map(float, legs.values())) - mine["ttft_ms"]) < 1
+    assert grew("vchat_first_token_legs_seconds_count", profile="Latency-first",
+                leg="prefill") == 1
     assert "A question for the metrics" not in server.log()
 
 

@@ -89,7 +89,9 @@ def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
     record = TurnRecord("finished", "ann", "Latency-first")
     record.arrived = time.monotonic() - 0.2  # came in 200 ms ago
     record.first_token_sent()
+    record.turn_began()
     first = record.app_ttft_ms
+    assert 200 <= record.to_turn_ms < 10_000  # the arrival to the turn's start: its part
     record.first_token_sent()  # later tokens leave it as it was
     assert record.app_ttft_ms == first and 200 <= first < 10_000
     with caplog.at_level(logging.INFO, logger="vchat.turns"):
@@ -103,9 +105,11 @@ def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
     line = json.loads(JsonLines().format(
         next(r for r in caplog.records if r.name == "vchat.turns")))
     assert line["app_ttft_ms"] == first and line["ttft_ms"] == 50.0 and "arrived" not in line
+    assert line["to_turn_ms"] == record.to_turn_ms
     unsent = TurnRecord("finished", "bob", "Latency-first")  # no arrival: an edit, the API
+    unsent.turn_began()
     unsent.first_token_sent()
-    assert unsent.app_ttft_ms is None
+    assert unsent.app_ttft_ms is None and unsent.to_turn_ms is None
 
 
 def test_the_engines_first_token_legs_are_counted_by_leg_and_logged(caplog):
