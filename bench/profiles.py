@@ -112,15 +112,21 @@ BUCKET = re.compile(r'^(\w+)_bucket\{(.*)\} (\S+)$')
 SUM_COUNT = re.compile(r'^(\w+)_(sum|count)\{(.*)\} (\S+)$')
 
 
+def labels_of(text: str) -> dict[str, str]:
+    """A series' labels, from the text between its braces."""
+    return dict(re.findall(r'(\w+)="([^"]*)"', text))
+
+
 def add_leg(legs: dict, line: str) -> None:
     """One line of the LEGS histogram, Latency-first's, into `legs`."""
-    found = SUM_COUNT.match(line) or BUCKET.match(line)
-    if not found or found[1] != LEGS:
+    if total := SUM_COUNT.match(line):
+        name, kind, labels, value = total.groups()
+    elif bucket := BUCKET.match(line):
+        (name, labels, value), kind = bucket.groups(), "buckets"
+    else:
         return
-    kind, labels, value = found.groups()[-3:] if found.re is SUM_COUNT \
-        else ("buckets", *found.groups()[1:])
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-    if labels.get("profile") != LF:
+    labels = labels_of(labels)
+    if name != LEGS or labels.get("profile") != LF:
         return
     leg = legs.setdefault(labels["leg"], {"sum": 0.0, "count": 0.0, "buckets": {}})
     if kind == "buckets":
@@ -131,14 +137,14 @@ def add_leg(legs: dict, line: str) -> None:
 
 async def counters(url: str) -> dict:
     """vLLM's generated tokens and preemptions so far, all engines together; the app
-    process's CPU seconds (its own, not the engine's processes); the app's event-loop lag, its full garbage collections' pauses and Latency-first's TTFT
-    histograms, the engine's and the app's (cumulative by `le`), and the engine's by leg
-    (LEGS: {leg: {"sum", "count", "buckets"}}); the time all collections stopped the app;
-    from /metrics."""
+    process's CPU seconds (its own, not the engine's processes); the app's event-loop lag,
+    its full garbage collections' pauses and Latency-first's TTFT histograms, the engine's
+    and the app's (cumulative by `le`), and the engine's by leg (LEGS: {leg: {"sum",
+    "count", "buckets"}}); the time all collections stopped the app; from /metrics."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(url + "/metrics")).text
-    out: dict = {"tokens": 0.0, "preempted": 0.0, "gc_s": 0.0, "cpu_s": 0.0, LAG: {}, ENGINE_TTFT: {},
-                 APP_TTFT: {}, GC: {}, LEGS: {}}
+    out: dict = {"tokens": 0.0, "preempted": 0.0, "gc_s": 0.0, "cpu_s": 0.0, LAG: {},
+                 ENGINE_TTFT: {}, APP_TTFT: {}, GC: {}, LEGS: {}}
     for line in text.splitlines():
         for key, name in (("tokens", "vllm:generation_tokens_total"),
                           ("preempted", "vllm:num_preemptions_total"),
@@ -150,7 +156,7 @@ async def counters(url: str) -> dict:
             continue
         bucket = BUCKET.match(line)
         if bucket and bucket[1] in (LAG, ENGINE_TTFT, APP_TTFT, GC):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', bucket[2]))
+            labels = labels_of(bucket[2])
             if bucket[1] == LAG or labels.get("profile") == LF or \
                     labels.get("generation") == "2":
                 out[bucket[1]][float(labels["le"])] = float(bucket[3])

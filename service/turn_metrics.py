@@ -51,12 +51,17 @@ class TurnRecord:
     arrived: float | None = None  # time.monotonic() of the message's arrival; not logged
 
     def turn_began(self) -> None:
-        if self.arrived is not None:
-            self.to_turn_ms = round((time.monotonic() - self.arrived) * 1000, 1)
+        self.to_turn_ms = self._since_arrival()
 
     def first_token_sent(self) -> None:
-        if self.app_ttft_ms is None and self.arrived is not None:
-            self.app_ttft_ms = round((time.monotonic() - self.arrived) * 1000, 1)
+        if self.app_ttft_ms is None:
+            self.app_ttft_ms = self._since_arrival()
+
+    def _since_arrival(self) -> float | None:
+        """Milliseconds since the message arrived (None: it did not come by the socket)."""
+        if self.arrived is None:
+            return None
+        return round((time.monotonic() - self.arrived) * 1000, 1)
 
     def fields(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "arrived"}
