@@ -21,7 +21,7 @@ from chainlit.types import ThreadDict
 
 from api.openai import OpenAIApi
 from api.ops import Ops
-from chat import forget, stalls
+from chat import emits, forget, stalls
 from chat.guard import Guard
 from chat.logins import Logins, slow_failing_addresses
 from chat.page import serve_own_origin_only
@@ -51,6 +51,8 @@ stalls.skip_constructor_pause()
 serve_own_origin_only()
 # It keeps every chat session's messages after the session is gone: not here.
 forget.install()
+# Its socket events, each to one browser, cost two turns of the event loop: one here.
+emits.install(sio)
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 log = logging.getLogger("app")

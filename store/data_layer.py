@@ -42,7 +42,7 @@ from sqlalchemy import text
 from service.clock import CLOCK
 from store import queries as q
 from store import rows as rows_
-from store.schema import connect, reader
+from store.schema import Reader, connect
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _session_thread() -> str | None:
 class ChatDataLayer(BaseDataLayer):
     def __init__(self, url: str):
         self.engine = connect(url)  # store/schema.py's: SQLite set up
-        self.reader = reader(url, self.engine)  # for checks that only read
+        self.reader = Reader(self.engine)  # for checks that only read
         self.sqlite = url.startswith("sqlite")
         self._threads: set[str] = set()  # threads this process knows exist
         self._users = asyncio.Lock()
@@ -111,16 +111,14 @@ class ChatDataLayer(BaseDataLayer):
         return ""
 
     async def close(self) -> None:
+        await self.reader.dispose()
         await self.engine.dispose()
-        if self.reader is not self.engine:
-            await self.reader.dispose()
 
     async def healthy(self) -> bool:
         """Whether the database answers (/ready), on a reading connection: not in the
         writes' line, and not counted as a failed write."""
         try:
-            async with self.reader.connect() as conn:
-                await conn.execute(text(q.HEALTH))
+            await self.reader.rows(text(q.HEALTH))
             return True
         except Exception:  # down, unreachable, refusing: what /ready says
             return False

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import event, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from engine.settings import setting
 
-READERS = 2  # SQLite connections that only read (`reader`)
+READ_WAIT_S = 0.25  # longest a SQLite read on the event loop's thread waits for a lock
 
 
 def database_url(data_dir: Path, env: dict | None = None) -> str:
@@ -49,16 +49,42 @@ def connect(url: str) -> AsyncEngine:
     return engine
 
 
-def reader(url: str, writer: AsyncEngine) -> AsyncEngine:
-    """Where checks that only read go (a login's session on every message): on SQLite
-    connections of their own, which in WAL mode read while the writer's one is busy,
-    instead of waiting in its queue behind the chats' writes; elsewhere the writer's pool.
-    """
-    if not url.startswith("sqlite"):
-        return writer
-    engine = create_async_engine(url, pool_size=READERS, max_overflow=0, pool_timeout=600)
-    event.listen(engine.sync_engine, "connect", _sqlite_reader_settings)
-    return engine
+class Reader:
+    """Where checks that only read go (a login's session on every message, /ready's).
+
+    On SQLite: a connection of its own, which in WAL mode reads while the writer's is busy
+    (no wait in the writer's queue behind the chats' writes), driven by the standard sqlite3
+    module on the event loop's own thread: a check is a lookup by primary key of a few rows
+    in pages the cache holds, tens of microseconds, where every hand-off to another thread
+    waits for the GIL behind whatever the loop runs, and every await for the loop's next
+    turn behind every stream's update. Measured (bench/loop_turns.py, and on the H200:
+    BENCHMARKS.md, "2026-12-03: what holds Latency-first's first token", item 7): through
+    aiosqlite (five awaited calls a query) or a thread of our own per query, a message's
+    check cost far more on a busy loop than reading in line. SQLite waits at most
+    `READ_WAIT_S` for a lock (WAL readers seldom meet one). Elsewhere, or with `own=False`: the writer's pool, awaited."""
+
+    def __init__(self, writer: AsyncEngine, own: bool = True):
+        self._writer: AsyncEngine | None = None
+        if not own or writer.url.get_backend_name() != "sqlite":
+            self._writer, self.sync_engine = writer, writer.sync_engine
+            return
+        self.sync_engine = create_engine(f"sqlite:///{writer.url.database}", pool_size=1,
+                                         max_overflow=0,
+                                         connect_args={"timeout": READ_WAIT_S})
+        event.listen(self.sync_engine, "connect", _sqlite_reader_settings)
+
+    async def rows(self, statement, params: dict | None = None) -> list:
+        """The statement's rows."""
+        if self._writer is not None:
+            async with self._writer.connect() as conn:
+                return (await conn.execute(statement, params or {})).all()
+        with self.sync_engine.connect() as conn:  # in line: see the class's docstring
+            return conn.execute(statement, params or {}).all()
+
+    async def dispose(self) -> None:
+        """Its own connection closed (the writer's pool is its owner's to close)."""
+        if self._writer is None:
+            self.sync_engine.dispose()
 
 
 def _sqlite_reader_settings(connection, record) -> None:

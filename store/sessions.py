@@ -23,6 +23,8 @@ import time
 from sqlalchemy import bindparam, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.schema import Reader
+
 FORGET_AFTER_S = 86_400.0  # ended or expired sessions are deleted a day later
 
 _OPEN = text('INSERT INTO login_sessions ("id", "identifier", "createdAt", "expiresAt") '
@@ -43,9 +45,9 @@ def new_session_id() -> str:
 
 
 class LoginSessions:
-    def __init__(self, engine: AsyncEngine, reader: AsyncEngine | None = None):
+    def __init__(self, engine: AsyncEngine, reader: Reader | None = None):
         self.engine = engine
-        self.reader = reader or engine  # store/schema.py's `reader`: checks only read
+        self.reader = reader or Reader(engine, own=False)  # store/schema.py's
         self._asked: dict[str, list[asyncio.Future]] = {}  # checks for the next query
         self._checking: asyncio.Task | None = None
 
@@ -63,9 +65,8 @@ class LoginSessions:
         ids = [s for s in set(session_ids) if isinstance(s, str)]
         if not ids:
             return set()
-        async with self.reader.connect() as conn:
-            rows = await conn.execute(_LIVE, {"ids": ids, "now": time.time()})
-            return {row[0] for row in rows}
+        rows = await self.reader.rows(_LIVE, {"ids": ids, "now": time.time()})
+        return {row[0] for row in rows}
 
     async def is_live(self, session_id) -> bool:
         """Whether the session is live, from a query that began after this was asked; the

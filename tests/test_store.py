@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -250,7 +251,10 @@ async def test_login_checks_asked_together_share_one_query_that_reads_past_the_w
     its own on SQLite's one connection, in line behind the chats' writes; under a saturated
     H200 the messages of a burst waited ~0.3 s for their first token. Checks asked together
     share one query, read on connections of their own while a write is under way, and each
-    is answered from a query begun after it was asked."""
+    is answered from a query begun after it was asked. On SQLite the query is one call of
+    the standard sqlite3 module on the event loop's thread: aiosqlite's awaited calls, or a
+    thread per query, each wait behind everything a busy loop runs (BENCHMARKS.md,
+    "2026-12-03: what holds Latency-first's first token", item 7)."""
     import asyncio
 
     from sqlalchemy import event
@@ -260,6 +264,14 @@ async def test_login_checks_asked_together_share_one_query_that_reads_past_the_w
     await Accounts(layer.engine).add("alice", "correct horse battery")
     sessions = LoginSessions(layer.engine, layer.reader)
     ids = [await sessions.open("alice", 3600) for _ in range(4)]
+    if layer.sqlite:
+        assert layer.reader.sync_engine.dialect.driver == "pysqlite"
+        threads = []
+        on_thread = lambda *args: threads.append(threading.current_thread())  # noqa: E731
+        event.listen(layer.reader.sync_engine, "before_cursor_execute", on_thread)
+        assert await sessions.is_live(ids[0]) is True
+        assert threads == [threading.current_thread()], threads
+        event.remove(layer.reader.sync_engine, "before_cursor_execute", on_thread)
     queries = []
     event.listen(layer.reader.sync_engine, "before_cursor_execute",
                  lambda *args: queries.append(args[2]))

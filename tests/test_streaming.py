@@ -129,3 +129,52 @@ async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing(con
     # 400 tokens at 1,000/s take ~0.4 s: a few updates 0.2 s apart, each one pull, where
     # pulling each token as it comes would have pulled 400 times.
     assert pulls == len(sink.sent) <= 5, (pulls, len(sink.sent))
+
+
+async def socket_server(in_line: bool):
+    """A real python-socketio server with one connected socket (its Engine.IO socket real,
+    its transport left out: what is sent waits on the socket's queue)."""
+    import socketio
+    from engineio.async_socket import AsyncSocket
+
+    from chat import emits
+
+    sio = socketio.AsyncServer(async_mode="asgi")
+    if in_line:
+        emits.install(sio)
+        emits.install(sio)  # idempotent
+    eio_socket = AsyncSocket(sio.eio, "eio-1")
+    sio.eio.sockets["eio-1"] = eio_socket
+    sid = await sio.manager.connect("eio-1", "/")
+    return sio, sid, eio_socket
+
+
+async def test_an_event_for_one_browser_goes_out_without_waiting_for_the_event_loop():
+    """python-socketio's emit makes a task per recipient and waits for it, so every event
+    of Chainlit's (each for one socket) cost its sender two turns of the event loop, and a
+    turn's way to its first token has several: on a busy loop each turn is milliseconds
+    (BENCHMARKS.md, "2026-12-03: what holds Latency-first's first token", item 7).
+    Installed, the event is on the socket's queue when emit returns, and nothing else ran
+    meanwhile; events for a room still go out."""
+    from chat import emits
+
+    for in_line in (False, True):
+        sio, sid, eio_socket = await socket_server(in_line)
+        assert emits.installed(sio) is in_line
+        ran = []
+        asyncio.get_running_loop().call_soon(ran.append, "the loop's next turn")
+        await sio.emit("stream_token", {"id": "m1", "token": "Hel"}, to=sid)
+        assert bool(ran) is not in_line, "the usual emit lets the loop run first"
+        assert eio_socket.queue.get_nowait().data == \
+            '2["stream_token",{"id":"m1","token":"Hel"}]'
+    await sio.enter_room(sid, "everyone")
+    await sio.emit("note", ("two", "args"), room="everyone")
+    assert eio_socket.queue.get_nowait().data == '2["note","two","args"]'
+
+
+async def test_an_event_for_a_socket_that_closed_is_dropped_and_the_sender_goes_on():
+    sio, sid, eio_socket = await socket_server(in_line=True)
+    eio_socket.closed = True
+    await sio.emit("stream_token", {"id": "m1", "token": "lost"}, to=sid)  # no exception
+    assert eio_socket.queue.empty()
+    await sio.emit("stream_token", {"id": "m1", "token": "x"}, to="no-such-sid")
