@@ -51,7 +51,8 @@ stalls.skip_constructor_pause()
 serve_own_origin_only()
 # It keeps every chat session's messages after the session is gone: not here.
 forget.install()
-# Its socket events, each to one browser, cost two turns of the event loop: one here.
+# It sends each socket event through a task its sender waits for; one for one browser goes
+# out in line here (chat/emits.py).
 emits.install(sio)
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
