@@ -126,21 +126,29 @@ async def login_checks(folder: Path):
     return {name: (lambda s=s: s.is_live(session)) for name, s in ways.items()}, close
 
 
-async def socket_emits():
-    """The two ways of sending an event to one socket (no transport: sent = queued)."""
+async def socket_server(in_line: bool):
+    """A real python-socketio server with one connected socket (its Engine.IO socket real,
+    its transport left out: what is sent waits on the socket's queue); `in_line`: with
+    chat/emits.py installed."""
     import socketio
     from engineio.async_socket import AsyncSocket
 
     from chat import emits
 
+    sio = socketio.AsyncServer(async_mode="asgi")
+    if in_line:
+        emits.install(sio)
+    eio_socket = AsyncSocket(sio.eio, "eio-1")
+    sio.eio.sockets["eio-1"] = eio_socket
+    sid = await sio.manager.connect("eio-1", "/")
+    return sio, sid, eio_socket
+
+
+async def socket_emits():
+    """The two ways of sending an event to one socket (no transport: sent = queued)."""
     ways = {}
     for name, in_line in (("socketio's emit", False), ("in line", True)):
-        sio = socketio.AsyncServer(async_mode="asgi")
-        if in_line:
-            emits.install(sio)
-        eio_socket = AsyncSocket(sio.eio, "eio-1")
-        sio.eio.sockets["eio-1"] = eio_socket
-        sid = await sio.manager.connect("eio-1", "/")
+        sio, sid, eio_socket = await socket_server(in_line)
 
         async def send(sio=sio, sid=sid, eio_socket=eio_socket):
             await sio.emit("stream_token", {"id": "m1", "token": "Hel"}, to=sid)

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 def install(sio) -> None:
     """Idempotent."""
-    manager = sio.manager
-    if getattr(manager.emit, "in_line", False):
+    if installed(sio):
         return
+    manager = sio.manager
     usual = manager.emit
 
     async def emit(event, data, namespace, room=None, skip_sid=None, callback=None,

@@ -61,7 +61,8 @@ class Reader:
     BENCHMARKS.md, "2026-12-03: what holds Latency-first's first token", item 7): through
     aiosqlite (five awaited calls a query) or a thread of our own per query, a message's
     check cost far more on a busy loop than reading in line. SQLite waits at most
-    `READ_WAIT_S` for a lock (WAL readers seldom meet one). Elsewhere, or with `own=False`: the writer's pool, awaited."""
+    `READ_WAIT_S` for a lock (WAL readers seldom meet one). Elsewhere, or with `own=False`:
+    the writer's pool, awaited."""
 
     def __init__(self, writer: AsyncEngine, own: bool = True):
         self._writer: AsyncEngine | None = None

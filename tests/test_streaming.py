@@ -132,20 +132,12 @@ async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing(con
 
 
 async def socket_server(in_line: bool):
-    """A real python-socketio server with one connected socket (its Engine.IO socket real,
-    its transport left out: what is sent waits on the socket's queue)."""
-    import socketio
-    from engineio.async_socket import AsyncSocket
-
+    from bench.loop_turns import socket_server
     from chat import emits
 
-    sio = socketio.AsyncServer(async_mode="asgi")
+    sio, sid, eio_socket = await socket_server(in_line)
     if in_line:
-        emits.install(sio)
         emits.install(sio)  # idempotent
-    eio_socket = AsyncSocket(sio.eio, "eio-1")
-    sio.eio.sockets["eio-1"] = eio_socket
-    sid = await sio.manager.connect("eio-1", "/")
     return sio, sid, eio_socket
 
 
