@@ -15,6 +15,7 @@ import os
 
 import chainlit as cl
 from chainlit.config import config as chainlit_config
+from chainlit.oauth_providers import get_configured_oauth_providers
 from chainlit.server import app as http
 from chainlit.server import sio
 from chainlit.types import ThreadDict
@@ -22,11 +23,13 @@ from chainlit.types import ThreadDict
 from api.openai import OpenAIApi
 from api.ops import Ops
 from chat import emits, forget, stalls
+from chat.downloads import Downloads
 from chat.guard import Guard
 from chat.logins import Logins, slow_failing_addresses
 from chat.page import serve_own_origin_only
 from chat.panel import profile_menu, settings_panel
 from chat.session import Conversation, stored_turns
+from chat.sso import HeaderLogin, SingleSignOn
 from chat.streaming import Pace
 from chat.turns import REGENERATE, Turns, user_name
 from chat.view import CLOSING, RANDOM_WEIGHTS, STAND_IN, page_notice
@@ -42,6 +45,7 @@ from store.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 from store.sessions import LoginSessions
 from store.setup import auth_secret, data_dir, first_admin
+from store.usage import Usage
 
 # Chainlit's own routes, registered when its server module was imported (sorted below).
 CHAINLIT_ROUTES = {id(route) for route in http.router.routes}
@@ -79,18 +83,36 @@ try:
     os.environ["CHAINLIT_AUTH_SECRET"] = auth_secret(DATA_DIR)
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
+    # What each turn cost and each account's daily token quota (store/usage.py).
+    USAGE = Usage(STORE.engine, STORE.reader)
     slow_failing_addresses(http, AddressThrottle())
     # A login token works while its session in the database is live (chat/logins.py); what
     # clients send is checked where it enters, bodies bounded, origins kept to this server's
     # and those listed in .chainlit/config.toml (chat/guard.py).
     LOGINS = Logins(LoginSessions(STORE.engine, STORE.reader),
                     chainlit_config.project.user_session_timeout)
-    GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing)
+    # Who may log in: the password form (unless VCHAT_PASSWORD_LOGIN=0), single sign-on by
+    # OpenID Connect when Chainlit's OAUTH_GENERIC_* are set, and a sign-in proxy's header
+    # when VCHAT_HEADER_AUTH is (chat/sso.py).
+    PASSWORD_LOGIN = setting("VCHAT_PASSWORD_LOGIN")
+    SSO = SingleSignOn(ACCOUNTS, LOGINS.open)
+    OIDC = bool(get_configured_oauth_providers())
+    HEADER_LOGIN = HeaderLogin.from_settings(SSO)
+    if not (PASSWORD_LOGIN or OIDC or HEADER_LOGIN):
+        raise ConfigError("environment", "VCHAT_PASSWORD_LOGIN", "with the password form off,"
+                          " set up single sign-on (OAUTH_GENERIC_*) or VCHAT_HEADER_AUTH, or "
+                          "nobody can log in")
+    if HEADER_LOGIN:
+        HEADER_LOGIN.install(http)
+    GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing,
+                  quota=USAGE.refusal)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
     # GET /ready, /notice and /metrics (api/ops.py), the app's series by profile in it.
     OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice)
     http.include_router(OPS.router)
+    # GET /export/chats[/ID]: a user's own chats as Markdown or JSON (chat/downloads.py).
+    http.include_router(Downloads(STORE.engine).router)
     TURN_METRICS = TurnMetrics(OPS.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
     # How late the event loop that every session shares runs what is due, how long the
     # collector stops it (service/loop.py), and what stays of chats in memory.
@@ -99,10 +121,10 @@ try:
     forget.report_to(TURN_METRICS.sessions_held)
     # /v1: the OpenAI-compatible API on the same engines, for the operator's key and accounts'.
     API = OpenAIApi(ENGINES, CONFIG, TURN_METRICS, ApiKeys(STORE.engine).account_of,
-                    setting("VCHAT_API_KEY"), ignore_eos=IGNORE_EOS)
+                    setting("VCHAT_API_KEY"), USAGE, ignore_eos=IGNORE_EOS)
     http.include_router(API.router)
     # A turn from admission to its stored reply (chat/turns.py).
-    TURNS = Turns(ENGINES, TURN_METRICS, SHUTDOWN, STORE, PACE, ignore_eos=IGNORE_EOS)
+    TURNS = Turns(ENGINES, TURN_METRICS, SHUTDOWN, STORE, PACE, USAGE, ignore_eos=IGNORE_EOS)
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
@@ -115,7 +137,6 @@ def chat_store() -> ChatDataLayer:
     return STORE
 
 
-@cl.password_auth_callback
 async def login(username: str, password: str) -> cl.User | None:
     """The same refusal whatever was wrong; repeated failures wait (store/accounts.py)."""
     account = await ACCOUNTS.verify(username, password)
@@ -126,6 +147,14 @@ async def login(username: str, password: str) -> cl.User | None:
                    metadata={"role": account.role, **await LOGINS.open(account.identifier)})
 
 
+if PASSWORD_LOGIN:
+    cl.password_auth_callback(login)
+if OIDC:
+    cl.oauth_callback(SSO.oauth)
+if HEADER_LOGIN:
+    cl.header_auth_callback(HEADER_LOGIN.login)
+
+
 @cl.on_app_startup
 async def start_engines() -> None:
     """Bring the database up to date and make sure someone can log in, then start the
@@ -133,7 +162,7 @@ async def start_engines() -> None:
     before, after = await migrate(STORE.engine)
     if before != after:
         log.info("database schema brought from version %d to %d", before, after)
-    made = await first_admin(ACCOUNTS)
+    made = await first_admin(ACCOUNTS) if PASSWORD_LOGIN else None
     if made and made[1]:  # shown once: only its hash is kept
         print(f"\n  First start: log in as {made[0]!r} with the password {made[1]!r}\n"
               f"  (add users: .venv/bin/python -m store users add NAME)\n", flush=True)
@@ -165,6 +194,7 @@ async def settle_after_start() -> None:
 
 @cl.on_app_shutdown
 async def stop_engines() -> None:
+    await USAGE.settle()  # the last turns' costs written
     LOOP_LAG.stop()
     GC_PAUSES.stop()
     ENGINES.shutdown()

@@ -35,6 +35,7 @@ from engine import Busy, ChatError, ConfigError, Engines, Profile, Prompt
 from engine.config import Config
 from service.turn import Stopped, Turn
 from service.turn_metrics import TurnMetrics
+from store.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ class OpenAIApi:
 
     def __init__(self, engines: Engines, config: Config, turns: TurnMetrics,
                  account_of: Callable[[str], Awaitable[str | None]],
-                 operator_key: str | None, ignore_eos: bool = False):
+                 operator_key: str | None, usage: Usage, ignore_eos: bool = False):
         self.engines, self.config, self.turns = engines, config, turns
+        self.usage = usage  # each turn's cost stored, an account's quota checked
         self.account_of, self.operator_key = account_of, operator_key
         self.ignore_eos = ignore_eos  # benchmarks only, as in the chat (VCHAT_BENCH_IGNORE_EOS)
         self.router = APIRouter(prefix="/v1")
@@ -86,12 +88,15 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         try:
             user = await self.caller(request)
+            if user != "operator" and (refused := await self.usage.refusal(user)):
+                raise ApiError(429, refused, "insufficient_quota", "quota_exceeded")
             raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
             profile, asked = await off_the_loop(len(raw), read_body, raw, self.config)
         except ApiError as exc:
             return exc.response()
         turn = Turn(self.engines, self.turns, profile.name, user=user,
-                    message=asked["new"].content, ignore_eos=self.ignore_eos)
+                    message=asked["new"].content, ignore_eos=self.ignore_eos,
+                    usage=self.usage, source="api")
         call = Call(request, profile, asked, turn)
         try:
             call.prompt = await off_the_loop(len(raw), call.fit)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from chainlit import server as chainlit_server
@@ -89,8 +90,11 @@ def user_message(payload) -> dict | None:
 
 
 class Guard:
-    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool):
+    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool,
+                 quota: Callable[[str | None], Awaitable[str | None]]):
         self.logins, self.store, self.sharing = logins, store, sharing
+        # Why an account may not start a turn now (its daily quota: store/usage.py), or None.
+        self.quota = quota
         # When each session's last message reached the server, until its turn takes it
         # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
         self._arrived: dict[str, float] = {}
@@ -151,6 +155,8 @@ class Guard:
         if checked is None:
             await self._tell(session, NOT_READ)
             return
+        if not await self._may_take_turn(session):
+            return
         self._arrived[session.id] = arrived
         return await self._message(sid, checked)
 
@@ -169,6 +175,8 @@ class Guard:
                 not isinstance(message.get("output"), str):
             await self._tell(session, NOT_READ)
             return
+        if not await self._may_take_turn(session):
+            return
         return await self._edit(sid, {"message": {"id": message["id"],
                                                   "output": message["output"]}})
 
@@ -182,6 +190,14 @@ class Guard:
             await end_session(session)
             return None
         return session
+
+    async def _may_take_turn(self, session: WebsocketSession) -> bool:
+        """False, said, when the account's quota refuses a turn: the message is not stored
+        (Chainlit has not seen it yet)."""
+        refused = await self.quota(getattr(session.user, "identifier", None))
+        if refused:
+            await self._tell(session, refused)
+        return not refused
 
     @staticmethod
     async def _tell(session: WebsocketSession, text: str) -> None:

@@ -26,6 +26,7 @@ from service.shutdown import Shutdown
 from service.turn import Turn
 from service.turn_metrics import TurnMetrics
 from store.data_layer import ChatDataLayer
+from store.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ class WaitNote:
 
 class Turns:
     def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown,
-                 store: ChatDataLayer, pace: Pace, ignore_eos: bool = False):
+                 store: ChatDataLayer, pace: Pace, usage: Usage,
+                 ignore_eos: bool = False):
         self.engines = engines
+        self.usage = usage  # each turn's cost stored, the quota checked (store/usage.py)
         self.metrics = metrics
         self.shutdown = shutdown
         self.store = store
@@ -85,7 +88,8 @@ class Turns:
         message reached the server (time.monotonic), for the turn's first token as the app
         sends it."""
         turn = Turn(self.engines, self.metrics, conv.profile.name, user=user_name(),
-                    message=user.content, arrived=arrived, ignore_eos=self.ignore_eos)
+                    message=user.content, arrived=arrived, ignore_eos=self.ignore_eos,
+                    usage=self.usage, thread_id=cl.context.session.thread_id)
         ended = None
         try:
             with self.shutdown.turn():
@@ -132,6 +136,10 @@ class Turns:
             last = conv.take_back(button.forId)
         if last is None:
             await cl.Message(content=CLOSING if closing else NOT_REGENERATED).send()
+            return
+        if refused := await self.usage.refusal(user_name()):  # the reply stays, as stored
+            conv.turns.append(last)
+            await cl.context.emitter.send_toast(refused, "error")
             return
         try:
             conv.begin_turn()

@@ -302,6 +302,15 @@ class Engines:
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
                            max_model_len=engine.max_model_len, max_tokens=max_tokens)
 
+    def count_tokens(self, profile: str, text: str) -> int:
+        """`text`'s length in tokens for the profile's model (a stopped reply's cost:
+        store/usage.py); a rough count while its engine is not serving."""
+        try:
+            formatter = self.for_profile(profile).formatter
+        except ChatError:
+            return (len(text) + 3) // 4
+        return len(formatter.content_ids(Message("assistant", text)))
+
     async def stream(
         self, prompt: Prompt, profile: str,
         on_queued: Callable[[int], Awaitable[None]] | None = None, **sampling

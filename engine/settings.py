@@ -109,6 +109,22 @@ SETTINGS = {s.name: s for s in (
             "yet (with VCHAT_ADMIN_PASSWORD)", aliases=("CHAT_ADMIN_USER",)),
     Setting("VCHAT_ADMIN_PASSWORD", text, None, "the first admin's password", secret=True,
             aliases=("CHAT_ADMIN_PASSWORD",)),
+    Setting("VCHAT_PASSWORD_LOGIN", flag, "1", "the login page's name and password form "
+            "(0: single sign-on only)"),
+    Setting("VCHAT_SSO_DOMAINS", text, None, "single sign-on: the e-mail domains let in, "
+            "comma separated (default: any address the provider vouches for)"),
+    Setting("VCHAT_SSO_GROUPS", text, None, "single sign-on: only members of one of these "
+            "groups get in, comma separated (default: no group needed)"),
+    Setting("VCHAT_SSO_ADMIN_GROUPS", text, None, "single sign-on: members of these groups "
+            "are admins, comma separated"),
+    Setting("VCHAT_SSO_GROUPS_CLAIM", text, "groups", "single sign-on: the claim (or "
+            "header's) list of the user's groups"),
+    Setting("VCHAT_HEADER_AUTH", text, None, "login by a trusted proxy's header: the header "
+            "naming the user, e.g. X-Forwarded-Email (default: off)"),
+    Setting("VCHAT_HEADER_AUTH_GROUPS", text, None, "the proxy's header with the user's "
+            "groups, comma separated (optional)"),
+    Setting("VCHAT_HEADER_AUTH_PROXIES", text, None, "the addresses (or CIDR ranges) the "
+            "header login is taken from, comma separated; needed with VCHAT_HEADER_AUTH"),
     Setting("VCHAT_API_KEY", text, None, "the operator's key for the OpenAI-compatible API "
             "(default: account keys only)", secret=True, aliases=("CHAT_API_KEY",)),
     Setting("VCHAT_STREAM_INTERVAL_MS", whole(0), "40",

@@ -38,4 +38,9 @@
   }
 
   check();
+
+  // The page takes one custom script (.chainlit/config.toml): the Export menu comes here.
+  const menu = document.createElement("script");
+  menu.src = root + "/public/export-menu.js";
+  document.head.appendChild(menu);
 })();

@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from engine import ChatError, Engines, Message, Prompt, TurnStats
 
+from store.usage import Spent, Usage
+
 from .turn_metrics import TurnMetrics, TurnRecord
 
 log = logging.getLogger(__name__)
@@ -52,12 +54,16 @@ class Turn:
 
     def __init__(self, engines: Engines, metrics: TurnMetrics, profile: str, *,
                  user: str | None, message: str, arrived: float | None = None,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, usage: Usage | None = None, source: str = "chat",
+                 thread_id: str | None = None):
         self.engines, self.metrics, self.profile = engines, metrics, profile
+        # Where its cost is stored when it ends (store/usage.py), and under which account.
+        self.usage, self.source, self.thread_id = usage, source, thread_id
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
         self.record.arrived = arrived  # when the message reached the server (monotonic)
         self.record.turn_began()
+        self.prompt: Prompt | None = None  # once fitted
         self.stats: TurnStats | None = None  # the engine's, once it finished the reply
         self.reply = ""  # what the user got, for the log line (the front end says)
         self._ended = False
@@ -66,8 +72,9 @@ class Turn:
     def fit(self, history: Sequence[Message], new: Message, *, system_prompt: str,
             max_tokens: int) -> Prompt:
         """The conversation fitted to the engine's context (engine/history.py)."""
-        return self.engines.fit(self.profile, history, new, system_prompt=system_prompt,
-                                max_tokens=max_tokens)
+        self.prompt = self.engines.fit(self.profile, history, new,
+                                       system_prompt=system_prompt, max_tokens=max_tokens)
+        return self.prompt
 
     async def stream(self, prompt: Prompt,
                      on_queued: Callable[[int], Awaitable[None]] | None = None,
@@ -96,4 +103,24 @@ class Turn:
         self.record.reply = self.reply
         self.metrics.end(self.record, self.stats if self.record.outcome == "finished"
                          else None)
+        self._store_usage()
         return self.record.outcome
+
+    def _store_usage(self) -> None:
+        """A finished or stopped turn that the engine worked on is stored as spent: its
+        reply's tokens as the engine counted them, or, stopped before it could say, as the
+        profile's tokenizer counts the text the user got."""
+        if self.usage is None or self.prompt is None or \
+                self.record.outcome not in ("finished", "stopped"):
+            return
+        if self.stats is not None:
+            reply_tokens = self.stats.output_tokens
+        elif self.reply:
+            reply_tokens = self.engines.count_tokens(self.profile, self.reply)
+        else:
+            return  # withdrawn before the engine wrote anything
+        user = None if self.source == "api" and self.record.user == "operator" \
+            else self.record.user
+        self.usage.record(Spent(user, self.profile, self.source, self.prompt.prompt_tokens,
+                                reply_tokens, self.record.outcome == "stopped",
+                                self.thread_id))

@@ -8,9 +8,22 @@
     .venv/bin/python -m store users password NAME      a new password (asked for, or
                                                        --stdin); every session ends
     .venv/bin/python -m store users logout NAME        end every session of NAME now
+    .venv/bin/python -m store users quota NAME N       at most N tokens a day (UTC), chat and
+                                                       API together; "none": no quota
     .venv/bin/python -m store keys add NAME [--label L] a new API key for NAME, shown once
     .venv/bin/python -m store keys list [NAME]
     .venv/bin/python -m store keys revoke ID
+    .venv/bin/python -m store usage [--since DATE] [--until DATE] [--json]
+                                                       turns, tokens, stopped replies and
+                                                       thumbs per user and profile
+    .venv/bin/python -m store feedback [--since DATE] [--until DATE]
+                                                       every thumb and its comment
+    .venv/bin/python -m store export [--since DATE] [--until DATE] [--user NAME]
+                                [--format json|md] [--out FILE]
+                                                       chats with a message in the period
+                                                       (store/export.py's JSON by default)
+
+Dates are UTC days, YYYY-MM-DD, both ends included.
 
 Every command brings the schema up to date first. Errors are one line and status 1.
 """
@@ -20,14 +33,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import sys
+from dataclasses import asdict
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from store import export
 from store.accounts import AccountError, Accounts
 from store.api_keys import ApiKeys
 from store.schema import connect, database_url, migrate
 from store.setup import data_dir
+from store.usage import Usage, UsageLine, parse_day, parse_quota
 
 
 async def run(args) -> str:
@@ -39,11 +56,30 @@ async def run(args) -> str:
                     else f"schema brought from version {before} to {after}")
         if args.command == "keys":
             return await keys_command(ApiKeys(engine), args)
+        if args.command == "usage":
+            return usage_table(await Usage(engine).report(
+                parse_day(args.since, "--since"), parse_day(args.until, "--until")), args.json)
+        if args.command == "export":
+            return await export_command(engine, args)
+        if args.command == "feedback":
+            thumbs = await Usage(engine).feedback(parse_day(args.since, "--since"),
+                                                  parse_day(args.until, "--until"))
+            return "\n".join(
+                f"{t.at}\t{t.identifier}\t{t.profile}\t{t.thumbs}\tchat {t.thread_id}"
+                f"{chr(9) + ' '.join(t.comment.split()) if t.comment else ''}"
+                for t in thumbs) or "no feedback in this period"
         accounts = Accounts(engine)
         if args.action == "list":
             rows = await accounts.list()
-            return "\n".join(f"{a.identifier}\t{a.role}\t{a.created_at}" for a in rows) \
-                or "no users"
+            return "\n".join(
+                f"{a.identifier}\t{a.role}\t{a.kind}\t{a.created_at}\t"
+                f"{'no quota' if a.daily_tokens is None else f'{a.daily_tokens} tokens/day'}"
+                for a in rows) or "no users"
+        if args.action == "quota":
+            tokens = parse_quota(args.tokens)
+            await Usage(engine).set_quota(args.name, tokens)
+            return (f"{args.name}: no quota" if tokens is None
+                    else f"{args.name}: at most {tokens:,} tokens a day (UTC)")
         if args.action == "add":
             account = await accounts.add(args.name, read_password(args),
                                          role="admin" if args.admin else "user")
@@ -77,6 +113,31 @@ async def keys_command(keys: ApiKeys, args) -> str:
     return f"revoked {args.id}"
 
 
+def usage_table(lines: list[UsageLine], as_json: bool) -> str:
+    if as_json:
+        return json.dumps([asdict(line) for line in lines], indent=1)
+    head = ("user", "profile", "turns", "prompt tokens", "reply tokens", "stopped", "up",
+            "down")
+    rows = [head] + [(line.identifier or "(operator key)", line.profile, line.turns,
+                      line.prompt_tokens, line.reply_tokens, line.stopped, line.thumbs_up,
+                      line.thumbs_down) for line in lines]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(str(v).ljust(w) if i < 2 else str(v).rjust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))) for r in rows) \
+        if lines else "no turns in this period"
+
+
+async def export_command(engine, args) -> str:
+    chats = await export.chats_in(engine, parse_day(args.since, "--since"),
+                                  parse_day(args.until, "--until"), args.user)
+    body = export.as_json(chats) if args.format == "json" else export.as_markdown(chats)
+    if args.out is None:
+        return body
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.write(body)
+    return f"{len(chats)} chat(s) written to {args.out}"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m store", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +153,22 @@ def main(argv: list[str]) -> int:
     password.add_argument("name")
     password.add_argument("--stdin", action="store_true", help="read the password from stdin")
     users.add_parser("logout").add_argument("name")
+    quota = users.add_parser("quota")
+    quota.add_argument("name")
+    quota.add_argument("tokens", help='tokens a day, 0 or more, or "none"')
+    report = sub.add_parser("usage")
+    report.add_argument("--since")
+    report.add_argument("--until")
+    report.add_argument("--json", action="store_true")
+    thumbs = sub.add_parser("feedback")
+    thumbs.add_argument("--since")
+    thumbs.add_argument("--until")
+    dump = sub.add_parser("export")
+    dump.add_argument("--since")
+    dump.add_argument("--until")
+    dump.add_argument("--user", help="only this user's chats")
+    dump.add_argument("--format", choices=("json", "md"), default="json")
+    dump.add_argument("--out", help="a file (default: standard output)")
     keys = sub.add_parser("keys").add_subparsers(dest="action", required=True)
     make = keys.add_parser("add")
     make.add_argument("name")

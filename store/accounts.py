@@ -34,6 +34,7 @@ _DUMMY_HASH = HASHER.hash(secrets.token_urlsafe(16))
 _CHATS_OF = 'SELECT "id" FROM threads WHERE "userIdentifier" = :i'
 _REMOVE_ACCOUNT_DATA = [
     'DELETE FROM api_keys WHERE "identifier" = :i',
+    'DELETE FROM usage WHERE "identifier" = :i',
     f'DELETE FROM feedbacks WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',
@@ -50,6 +51,8 @@ class Account:
     identifier: str
     role: str
     created_at: str
+    kind: str = "password"  # or "sso": made by single sign-on, no password (chat/sso.py)
+    daily_tokens: int | None = None  # its quota (store/usage.py); None: none
 
 
 def failure_delay(failures: int) -> float:
@@ -116,6 +119,29 @@ class Accounts:
                                               "c": created})
         return Account(identifier, role, created)
 
+    async def single_sign_on(self, identifier: str, role: str) -> Account | None:
+        """The account of someone single sign-on let in (chat/sso.py): made at the first
+        login, with no password (none can match it), its role set from the provider's word
+        at every login. None when a password account has the name: it is not taken over."""
+        identifier = identifier.strip()
+        if not identifier or len(identifier) > 200:
+            raise AccountError("a user name needs 1 to 200 characters")
+        if role not in ACCOUNT_ROLES:
+            raise AccountError(f"role {role!r}: one of {', '.join(ACCOUNT_ROLES)}")
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        async with self.engine.begin() as conn:
+            await conn.execute(text(  # two first logins at once: one row
+                'INSERT INTO accounts ("identifier", "passwordHash", "role", "createdAt", '
+                """"kind") VALUES (:i, '', :r, :c, 'sso') ON CONFLICT ("identifier") """
+                "DO NOTHING"), {"i": identifier, "r": role, "c": created})
+            done = await conn.execute(text(
+                """UPDATE accounts SET "role" = :r WHERE "identifier" = :i AND "kind" = 'sso'"""),
+                {"i": identifier, "r": role})
+            if done.rowcount == 0:
+                return None
+            row = await self._row(conn, identifier)
+        return Account(row.identifier, row.role, row.createdAt, "sso")
+
     async def remove(self, identifier: str) -> int:
         """The account, its API keys, its login sessions (ended at once: store/sessions.py)
         and its chats go; how many chats went. The chats go with it so that an account
@@ -158,8 +184,8 @@ class Accounts:
     async def list(self) -> list[Account]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(text(
-                'SELECT "identifier", "role", "createdAt" FROM accounts '
-                'ORDER BY "identifier"'))).all()
+                'SELECT "identifier", "role", "createdAt", "kind", "dailyTokens" '
+                'FROM accounts ORDER BY "identifier"'))).all()
         return [Account(*row) for row in rows]
 
     async def count(self) -> int:

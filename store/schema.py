@@ -158,6 +158,17 @@ def migrations(postgres: bool) -> list[list[str]]:
             "createdAt" DOUBLE PRECISION NOT NULL, "expiresAt" DOUBLE PRECISION NOT NULL,
             "endedAt" DOUBLE PRECISION)""",
          'CREATE INDEX login_sessions_by_account ON login_sessions ("identifier")'],
+        # 4: what each turn cost (store/usage.py), an account's daily token quota, and how
+        # it logs in: "password", or "sso" (an account single sign-on made: no password).
+        ["""CREATE TABLE usage (
+            "id" TEXT PRIMARY KEY, "identifier" TEXT, "profile" TEXT NOT NULL,
+            "source" TEXT NOT NULL, "day" TEXT NOT NULL, "createdAt" TEXT NOT NULL,
+            "promptTokens" INTEGER NOT NULL, "replyTokens" INTEGER NOT NULL,
+            "stopped" BOOLEAN NOT NULL, "threadId" TEXT)""",
+         'CREATE INDEX usage_by_account ON usage ("identifier", "day")',
+         'CREATE INDEX usage_by_day ON usage ("day")',
+         'ALTER TABLE accounts ADD COLUMN "dailyTokens" INTEGER',
+         """ALTER TABLE accounts ADD COLUMN "kind" TEXT NOT NULL DEFAULT 'password'"""],
     ]
 
 

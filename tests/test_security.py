@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from sqlalchemy import text
 from store.schema import connect, database_url
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
-from tools.postgres import Postgres, binaries
+from tools.postgres import database_env
 
 API_KEY = "operator-key-for-the-security-tests"
 MALLORY, MALLORY_PASSWORD = "mallory", "mallory's own password"
@@ -71,13 +70,8 @@ async def site(request, tmp_path_factory):
     env = {**STAND_IN, "VCHAT_API_KEY": API_KEY, "VCHAT_ADMIN_USER": TEST_USER,
            "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD,
            "VCHAT_DATA_DIR": str(tmp_path_factory.mktemp(f"security-{request.param}"))}
-    pg = None
-    if request.param == "postgres":
-        if binaries() is None and not os.environ.get("VCHAT_REQUIRE_POSTGRES"):
-            pytest.skip("no PostgreSQL server installed here (Debian: postgresql)")
-        pg = Postgres().__enter__()
-        env["DATABASE_URL"] = pg.new_database()
-    try:
+    with database_env(request.param) as database:
+        env.update(database)
         async with serving(env, timeout=120) as server:
             add_user(server, MALLORY, MALLORY_PASSWORD)
             alice = ChatClient(server.url, "Latency-first")
@@ -94,9 +88,6 @@ async def site(request, tmp_path_factory):
             yield Site(server, request.param, alice, thread["id"], steps,
                        r.json()["feedbackId"], secret)
             await alice.close()
-    finally:
-        if pg is not None:
-            pg.__exit__(None, None, None)
 
 
 async def alice_unchanged(site: Site) -> None:

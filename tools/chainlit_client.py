@@ -302,8 +302,8 @@ class Server:
     another Chainlit app file, relative to the repository root)."""
 
     def __init__(self, extra_env: dict | None = None, base_env: dict | None = None,
-                 app: str = "app.py"):
-        self.port = free_port()
+                 app: str = "app.py", port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)

@@ -1,0 +1,250 @@
+"""What the turns cost, and each account's daily token quota, counted from what is stored
+(the `usage` table: one row a turn that reached an engine, chat and API alike), so that the
+figures survive restarts and are the same on every replica of one database.
+
+- A turn's row is written when it ends, finished or stopped (service/turn.py): its prompt's
+  tokens and its reply's (the engine's count; for a stopped reply, its text counted by the
+  profile's tokenizer). Refused and failed turns cost nothing. The operator's API key has
+  no account: its turns are counted with no identifier.
+- A quota is tokens (prompt and reply) per UTC day. It is checked before a turn is taken
+  (chat/guard.py for a message or an edit, chat/turns.py for Regenerate, api/openai.py for
+  the API): once the day's turns reach it, the next is refused with `QuotaReached`'s words
+  and nothing of it is stored. A turn under way when the quota is reached finishes.
+- `report` is what `python -m store usage` prints: per account and profile, turns, tokens,
+  stopped replies, and the thumbs up and down given to replies in the period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from store.accounts import AccountError
+from store.rows import decoded
+from store.schema import Reader
+
+log = logging.getLogger(__name__)
+
+_INSERT = text(
+    'INSERT INTO usage ("id", "identifier", "profile", "source", "day", "createdAt", '
+    '"promptTokens", "replyTokens", "stopped", "threadId") '
+    "VALUES (:id, :identifier, :profile, :source, :day, :created, :prompt, :reply, "
+    ":stopped, :thread)")
+# The account's quota and, if it has one, what it spent on :day, in one read (no row: no
+# such account). It runs before every chat message: an account without a quota costs a
+# lookup by primary key.
+_QUOTA = text(
+    'SELECT a."dailyTokens", CASE WHEN a."dailyTokens" IS NULL THEN 0 ELSE '
+    '(SELECT COALESCE(SUM(u."promptTokens" + u."replyTokens"), 0) FROM usage u '
+    'WHERE u."identifier" = a."identifier" AND u."day" = :day) END '
+    'FROM accounts a WHERE a."identifier" = :i')
+_SET_QUOTA = text('UPDATE accounts SET "dailyTokens" = :n WHERE "identifier" = :i')
+_TURNS = text(
+    'SELECT "identifier", "profile", COUNT(*), SUM("promptTokens"), SUM("replyTokens"), '
+    'SUM(CASE WHEN "stopped" THEN 1 ELSE 0 END) FROM usage '
+    'WHERE "day" >= :since AND "day" <= :until GROUP BY "identifier", "profile"')
+# Thumbs given to replies written in the period, with the reply's metadata (its profile):
+# the page rates a turn's run (Chainlit's step around the reply), an API client the reply.
+_THUMBS = text(
+    'SELECT t."userIdentifier", f."value", s."metadata", (SELECT r."metadata" FROM steps r '
+    """WHERE r."parentId" = s."id" AND r."type" = 'assistant_message' """
+    'ORDER BY r."createdAt" DESC LIMIT 1) FROM feedbacks f '
+    'JOIN steps s ON s."id" = f."forId" JOIN threads t ON t."id" = f."threadId" '
+    'WHERE s."createdAt" >= :since AND s."createdAt" < :before')
+
+# Every thumb given in the period with its comment, newest first (the admin's reading).
+_FEEDBACK = text(
+    'SELECT s."createdAt", t."userIdentifier", f."value", f."comment", f."threadId", '
+    's."metadata", (SELECT r."metadata" FROM steps r WHERE r."parentId" = s."id" '
+    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1) """
+    'FROM feedbacks f JOIN steps s ON s."id" = f."forId" '
+    'JOIN threads t ON t."id" = f."threadId" '
+    'WHERE s."createdAt" >= :since AND s."createdAt" < :before ORDER BY s."createdAt" DESC')
+
+FIRST_DAY, LAST_DAY = date(1970, 1, 1), date(9999, 12, 30)
+
+
+def today() -> str:
+    return datetime.now(timezone.utc).date().isoformat()
+
+
+def parse_day(value: str | None, what: str = "date") -> date | None:
+    """A YYYY-MM-DD date from the command line; a ValueError in words otherwise."""
+    if value is None:
+        return None
+    try:
+        return date.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is not a date: use YYYY-MM-DD, "
+                         "for example 2026-12-01") from None
+
+
+def parse_quota(value: str) -> int | None:
+    """`users quota NAME N`'s N: tokens a day, 0 or more, or "none" for no quota."""
+    if value.strip().lower() == "none":
+        return None
+    try:
+        tokens = int(value.replace(",", "").replace("_", ""))
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(f"quota {value!r}: a whole number of tokens a day, 0 or more, "
+                         "or 'none' for no quota")
+    return tokens
+
+
+class QuotaReached(Exception):
+    """Said to the user whose turn is refused."""
+
+
+@dataclass(frozen=True)
+class Spent:
+    """One turn's cost."""
+    identifier: str | None  # None: the operator's API key
+    profile: str
+    source: str  # "chat" or "api"
+    prompt_tokens: int
+    reply_tokens: int
+    stopped: bool
+    thread_id: str | None = None  # the chat's, for a chat turn
+
+
+@dataclass(frozen=True)
+class UsageLine:
+    """One account's use of one profile in a period."""
+    identifier: str | None
+    profile: str
+    turns: int = 0
+    prompt_tokens: int = 0
+    reply_tokens: int = 0
+    stopped: int = 0
+    thumbs_up: int = 0
+    thumbs_down: int = 0
+
+
+@dataclass(frozen=True)
+class Thumb:
+    """One reply's feedback."""
+    at: str  # when the reply was written (UTC)
+    identifier: str | None
+    profile: str
+    thumbs: str  # "up" or "down"
+    comment: str | None
+    thread_id: str
+
+
+def quota_message(quota: int, used: int) -> str:
+    if quota == 0:
+        return ("Your account may not start new turns today (its daily token quota is 0). "
+                "Please ask an admin.")
+    return (f"You have used today's {quota:,} tokens ({used:,} so far), so this message was "
+            "not sent. The quota starts again at midnight UTC; an admin can raise it.")
+
+
+def _profile(metadata) -> str | None:
+    metadata = decoded({"metadata": metadata})["metadata"]
+    return metadata.get("profile") if isinstance(metadata, dict) else None
+
+
+class Usage:
+    def __init__(self, engine: AsyncEngine, reader: Reader | None = None):
+        self.engine = engine
+        self.reader = reader or Reader(engine, own=False)
+        self._writes: set[asyncio.Task] = set()
+
+    def record(self, spent: Spent) -> None:
+        """Write the turn's row without holding up its end (`settle` waits for them)."""
+        task = asyncio.create_task(self.write(spent))
+        self._writes.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a turn's usage was not stored: %s", task.exception())
+
+    async def write(self, spent: Spent) -> None:
+        now = datetime.now(timezone.utc)
+        async with self.engine.begin() as conn:
+            await conn.execute(_INSERT, {
+                "id": str(uuid.uuid4()), "identifier": spent.identifier,
+                "profile": spent.profile, "source": spent.source,
+                "day": now.date().isoformat(), "created": now.isoformat(timespec="seconds"),
+                "prompt": spent.prompt_tokens, "reply": spent.reply_tokens,
+                "stopped": spent.stopped, "thread": spent.thread_id})
+
+    async def settle(self) -> None:
+        """Wait for the rows being written."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    async def check(self, identifier: str | None) -> None:
+        """QuotaReached when the account's turns today reached its quota."""
+        if identifier is None:
+            return
+        rows = await self.reader.rows(_QUOTA, {"i": identifier, "day": today()})
+        if rows and rows[0][0] is not None and int(rows[0][1]) >= rows[0][0]:
+            raise QuotaReached(quota_message(rows[0][0], int(rows[0][1])))
+
+    async def refusal(self, identifier: str | None) -> str | None:
+        """`check`'s words, or None when the turn may go."""
+        try:
+            await self.check(identifier)
+        except QuotaReached as exc:
+            return str(exc)
+        return None
+
+    async def set_quota(self, identifier: str, tokens: int | None) -> None:
+        if tokens is not None and tokens < 0:
+            raise AccountError("a quota is 0 tokens a day or more")
+        async with self.engine.begin() as conn:
+            done = await conn.execute(_SET_QUOTA, {"n": tokens, "i": identifier})
+            if done.rowcount == 0:
+                raise AccountError(f"no user {identifier!r}")
+
+    async def report(self, since: date | None = None, until: date | None = None
+                     ) -> list[UsageLine]:
+        """Per account and profile, from `since` to `until` (UTC days, both included)."""
+        since, until = period(since, until)
+        lines: dict[tuple, dict] = {}
+        async with self.engine.connect() as conn:
+            for who, profile, turns, prompt, reply, stopped in (await conn.execute(_TURNS, {
+                    "since": since.isoformat(), "until": until.isoformat()})).all():
+                lines[(who, profile)] = {"turns": turns, "prompt_tokens": int(prompt or 0),
+                                         "reply_tokens": int(reply or 0),
+                                         "stopped": int(stopped or 0)}
+            thumbs = (await conn.execute(_THUMBS, {
+                "since": since.isoformat(),
+                "before": (until + timedelta(days=1)).isoformat()})).all()
+        for who, value, own, replied in thumbs:
+            profile = _profile(own) or _profile(replied) or "?"
+            line = lines.setdefault((who, profile), {})
+            key = "thumbs_up" if value else "thumbs_down"
+            line[key] = line.get(key, 0) + 1
+        return [UsageLine(who, profile, **counts) for (who, profile), counts
+                in sorted(lines.items(), key=lambda kv: (kv[0][0] or "", kv[0][1]))]
+
+    async def feedback(self, since: date | None = None, until: date | None = None
+                       ) -> list[Thumb]:
+        """Every thumb given to a reply written from `since` to `until`, newest first."""
+        since, until = period(since, until)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(_FEEDBACK, {
+                "since": since.isoformat(),
+                "before": (until + timedelta(days=1)).isoformat()})).all()
+        return [Thumb(at, who, _profile(own) or _profile(replied) or "?",
+                      "up" if value else "down", comment, thread)
+                for at, who, value, comment, thread, own, replied in rows]
+
+
+def period(since: date | None, until: date | None) -> tuple[date, date]:
+    since, until = since or FIRST_DAY, until or LAST_DAY
+    if since > until:
+        raise ValueError(f"--since {since} is after --until {until}")
+    return since, until
