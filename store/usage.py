@@ -2,14 +2,16 @@
 (the `usage` table: one row a turn that reached an engine, chat and API alike), so that the
 figures survive restarts and are the same on every replica of one database.
 
-- A turn's row is written when it ends, finished or stopped (service/turn.py): its prompt's
-  tokens and its reply's (the engine's count; for a stopped reply, its text counted by the
-  profile's tokenizer). Refused and failed turns cost nothing. The operator's API key has
+- A turn's row is kept when it ends, finished or stopped (service/turn.py), and written with
+  the others of that second (`FLUSH_S`): its prompt's tokens and its reply's (the engine's
+  count; for a stopped reply, its text counted by the profile's tokenizer). A crash of the
+  app loses at most that second's rows; a stop writes them. Refused and failed turns cost nothing. The operator's API key has
   no account: its turns are counted with no identifier.
 - A quota is tokens (prompt and reply) per UTC day. It is checked before a turn is taken
   (chat/guard.py for a message or an edit, chat/turns.py for Regenerate, api/openai.py for
   the API): once the day's turns reach it, the next is refused with `QuotaReached`'s words
-  and nothing of it is stored. A turn under way when the quota is reached finishes.
+  and nothing of it is stored. A turn under way when the quota is reached finishes, and
+  the turns of the last second count once written.
 - `report` is what `python -m store usage` prints: per account and profile, turns, tokens,
   stopped replies, and the thumbs up and down given to replies in the period.
 """
@@ -66,6 +68,8 @@ _FEEDBACK = text(
     'FROM feedbacks f JOIN steps s ON s."id" = f."forId" '
     'JOIN threads t ON t."id" = f."threadId" '
     'WHERE s."createdAt" >= :since AND s."createdAt" < :before ORDER BY s."createdAt" DESC')
+
+FLUSH_S = 1.0  # the longest a finished turn's usage waits to be written
 
 FIRST_DAY, LAST_DAY = date(1970, 1, 1), date(9999, 12, 30)
 
@@ -156,33 +160,46 @@ class Usage:
     def __init__(self, engine: AsyncEngine, reader: Reader | None = None):
         self.engine = engine
         self.reader = reader or Reader(engine, own=False)
-        self._writes: set[asyncio.Task] = set()
+        self._pending: list[dict] = []  # rows not written yet
+        self._flushing: asyncio.Task | None = None
 
     def record(self, spent: Spent) -> None:
-        """Write the turn's row without holding up its end (`settle` waits for them)."""
-        task = asyncio.create_task(self.write(spent))
-        self._writes.add(task)
-        task.add_done_callback(self._written)
-
-    def _written(self, task: asyncio.Task) -> None:
-        self._writes.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("a turn's usage was not stored: %s", task.exception())
-
-    async def write(self, spent: Spent) -> None:
+        """Keep the turn's row for the next write, at most FLUSH_S from now: one transaction
+        for all the turns that ended meanwhile, not one each through the writer's connection
+        (BENCHMARKS.md, "Trials at work")."""
         now = datetime.now(timezone.utc)
-        async with self.engine.begin() as conn:
-            await conn.execute(_INSERT, {
-                "id": str(uuid.uuid4()), "identifier": spent.identifier,
-                "profile": spent.profile, "source": spent.source,
-                "day": now.date().isoformat(), "created": now.isoformat(timespec="seconds"),
-                "prompt": spent.prompt_tokens, "reply": spent.reply_tokens,
-                "stopped": spent.stopped, "thread": spent.thread_id})
+        self._pending.append({
+            "id": str(uuid.uuid4()), "identifier": spent.identifier, "profile": spent.profile,
+            "source": spent.source, "day": now.date().isoformat(),
+            "created": now.isoformat(timespec="seconds"), "prompt": spent.prompt_tokens,
+            "reply": spent.reply_tokens, "stopped": spent.stopped, "thread": spent.thread_id})
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.create_task(self._flush_soon())
+
+    async def _flush_soon(self) -> None:
+        await asyncio.sleep(FLUSH_S)
+        try:
+            await self.flush()
+        except Exception as exc:  # the database away: the rows wait for the next turn's write
+            log.error("turns' usage not stored yet (%d rows kept): %s", len(self._pending), exc)
+
+    async def flush(self) -> None:
+        """Write the rows kept so far; on failure they stay for the next time."""
+        rows, self._pending = self._pending, []
+        if not rows:
+            return
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(_INSERT, rows)
+        except BaseException:
+            self._pending[:0] = rows
+            raise
 
     async def settle(self) -> None:
-        """Wait for the rows being written."""
-        if self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        """Write what is kept now (at shutdown, and in tests)."""
+        if self._flushing is not None and not self._flushing.done():
+            self._flushing.cancel()
+        await self.flush()
 
     async def check(self, identifier: str | None) -> None:
         """QuotaReached when the account's turns today reached its quota."""

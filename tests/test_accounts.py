@@ -3,6 +3,7 @@ engine: the model does not matter here), over Chainlit's real HTTP API and socke
 the real SQLite database in the server's data folder."""
 
 import asyncio
+import contextlib
 import os
 import re
 import sqlite3
@@ -15,6 +16,7 @@ import pytest
 
 from store.accounts import failure_delay
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
+from tools.postgres import Postgres, binaries
 
 STAND_IN = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "200"}
 
@@ -25,6 +27,21 @@ def add_user(server: Server, name: str, password: str) -> None:
                           input=password + "\n", env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@contextlib.contextmanager
+def database_env(kind: str):
+    """The environment that puts the app on `kind`'s database: {} for "sqlite" (the data
+    folder's), DATABASE_URL of a new database on a throwaway server for "postgres". Skips
+    the test when no server is installed here, unless one is required
+    (VCHAT_REQUIRE_POSTGRES, as .ci/run sets it: then it fails)."""
+    if kind == "sqlite":
+        yield {}
+        return
+    if binaries() is None and not os.environ.get("VCHAT_REQUIRE_POSTGRES"):
+        pytest.skip("no PostgreSQL server installed here (Debian: postgresql)")
+    with Postgres() as server:
+        yield {"DATABASE_URL": server.new_database()}
 
 
 async def threads(server: Server, client: ChatClient) -> list[dict]:

@@ -24,9 +24,8 @@ import socketio
 from sqlalchemy import text
 
 from store.schema import connect, database_url
-from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
+from tests.test_accounts import STAND_IN, add_user, database_env, thread_steps, threads
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
-from tools.postgres import database_env
 
 API_KEY = "operator-key-for-the-security-tests"
 MALLORY, MALLORY_PASSWORD = "mallory", "mallory's own password"

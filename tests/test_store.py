@@ -404,3 +404,33 @@ async def hostile_round(layer) -> None:
 
 async def test_hostile_values_reach_no_statements_text_and_no_other_account(layer):
     await hostile_round(layer)
+
+
+async def test_usage_rows_are_written_together_and_kept_while_the_database_refuses(engine):
+    """store/usage.py keeps finished turns' rows and writes them in one transaction a
+    second; a failed write keeps them for the next one (nothing counted twice or lost)."""
+    from store.usage import Spent, Usage
+
+    await migrate(engine)
+    usage = Usage(engine)
+    for n in range(3):
+        usage.record(Spent("ann", "Latency-first", "chat", 10 + n, 5, stopped=n == 2))
+
+    async def rows() -> int:
+        async with engine.connect() as conn:
+            return (await conn.execute(text("SELECT COUNT(*) FROM usage"))).scalar_one()
+
+    assert await rows() == 0  # not yet: within FLUSH_S
+    async with engine.begin() as conn:
+        await conn.execute(text("ALTER TABLE usage RENAME TO usage_away"))
+    with pytest.raises(Exception):
+        await usage.flush()
+    async with engine.begin() as conn:
+        await conn.execute(text("ALTER TABLE usage_away RENAME TO usage"))
+    usage.record(Spent(None, "Throughput-first", "api", 7, 3, stopped=False))
+    await usage.settle()
+    assert await rows() == 4
+    (line_ann, line_api) = sorted(await usage.report(), key=lambda line: line.profile)
+    assert (line_ann.turns, line_ann.prompt_tokens, line_ann.reply_tokens, line_ann.stopped) == \
+        (3, 33, 15, 1)
+    assert (line_api.identifier, line_api.turns) == (None, 1)

@@ -19,9 +19,8 @@ import httpx
 import pytest
 
 from store import export
-from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
+from tests.test_accounts import STAND_IN, add_user, database_env, thread_steps, threads
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
-from tools.postgres import database_env
 
 ALICE, BOB, CAROL = ("alice", "alice's password"), ("bob", "bob's password"), \
     ("carol", "carol's password")

@@ -9,7 +9,6 @@ that Debian's package creates. `.ci/run` installs that package when it is missin
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import shutil
@@ -75,18 +74,3 @@ class Postgres:
                   "postgres", "-q", "-c", f"CREATE DATABASE {name}")
         return self.url(name)
 
-
-@contextlib.contextmanager
-def database_env(kind: str):
-    """The environment that puts the app on `kind`'s database: {} for "sqlite" (the data
-    folder's), DATABASE_URL of a new database on a throwaway server for "postgres". Skips
-    the test when no server is installed here, unless one is required
-    (VCHAT_REQUIRE_POSTGRES, as .ci/run sets it: then it fails)."""
-    if kind == "sqlite":
-        yield {}
-        return
-    if binaries() is None and not os.environ.get("VCHAT_REQUIRE_POSTGRES"):
-        import pytest
-        pytest.skip("no PostgreSQL server installed here (Debian: postgresql)")
-    with Postgres() as server:
-        yield {"DATABASE_URL": server.new_database()}
