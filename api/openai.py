@@ -39,6 +39,8 @@ from store.usage import Usage
 
 log = logging.getLogger(__name__)
 
+OPERATOR = "operator"  # the turn log's user for the operator's key (VCHAT_API_KEY)
+
 DISCONNECT_POLL_S = 0.5
 INLINE_BYTES = 64 * 1024  # larger requests are read and fitted in a worker thread
 
@@ -87,16 +89,17 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            user = await self.caller(request)
-            if user != "operator" and (refused := await self.usage.refusal(user)):
+            account = await self.caller(request)
+            if refused := await self.usage.refusal(account):
                 raise ApiError(429, refused, "insufficient_quota", "quota_exceeded")
             raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
             profile, asked = await off_the_loop(len(raw), read_body, raw, self.config)
         except ApiError as exc:
             return exc.response()
-        turn = Turn(self.engines, self.turns, profile.name, user=user,
+        turn = Turn(self.engines, self.turns, profile.name,
+                    user=OPERATOR if account is None else account,
                     message=asked["new"].content, ignore_eos=self.ignore_eos,
-                    usage=self.usage, source="api")
+                    usage=self.usage, source="api", account=account)
         call = Call(request, profile, asked, turn)
         try:
             call.prompt = await off_the_loop(len(raw), call.fit)
@@ -109,14 +112,15 @@ class OpenAIApi:
             return await call.streamed(asked["include_usage"])
         return await call.whole()
 
-    async def caller(self, request: Request) -> str:
-        """Who is asking: "operator" for VCHAT_API_KEY, else the key's account; else 401."""
+    async def caller(self, request: Request) -> str | None:
+        """Who is asking: the key's account, or None for VCHAT_API_KEY (no account, no
+        quota; its turns are logged as OPERATOR's); else 401."""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         key = key.strip()
         if scheme.lower() == "bearer" and key:
             if self.operator_key and secrets.compare_digest(key.encode(),
                                                             self.operator_key.encode()):
-                return "operator"
+                return None
             account = await self.account_of(key)
             if account is not None:
                 return account

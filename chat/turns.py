@@ -87,9 +87,10 @@ class Turns:
         Counted and logged once, however it ends (service/turn.py). `arrived`: when the
         message reached the server (time.monotonic), for the turn's first token as the app
         sends it."""
-        turn = Turn(self.engines, self.metrics, conv.profile.name, user=user_name(),
+        account = user_name()
+        turn = Turn(self.engines, self.metrics, conv.profile.name, user=account,
                     message=user.content, arrived=arrived, ignore_eos=self.ignore_eos,
-                    usage=self.usage, thread_id=cl.context.session.thread_id)
+                    usage=self.usage, account=account, thread_id=cl.context.session.thread_id)
         ended = None
         try:
             with self.shutdown.turn():

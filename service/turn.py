@@ -55,10 +55,12 @@ class Turn:
     def __init__(self, engines: Engines, metrics: TurnMetrics, profile: str, *,
                  user: str | None, message: str, arrived: float | None = None,
                  ignore_eos: bool = False, usage: Usage | None = None, source: str = "chat",
-                 thread_id: str | None = None):
+                 account: str | None = None, thread_id: str | None = None):
         self.engines, self.metrics, self.profile = engines, metrics, profile
-        # Where its cost is stored when it ends (store/usage.py), and under which account.
-        self.usage, self.source, self.thread_id = usage, source, thread_id
+        # Where its cost is stored when it ends (store/usage.py), and for which account
+        # (None: the API's operator key, which has none).
+        self.usage, self.source, self.account = usage, source, account
+        self.thread_id = thread_id
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
         self.record.arrived = arrived  # when the message reached the server (monotonic)
@@ -119,8 +121,6 @@ class Turn:
             reply_tokens = self.engines.count_tokens(self.profile, self.reply)
         else:
             return  # withdrawn before the engine wrote anything
-        user = None if self.source == "api" and self.record.user == "operator" \
-            else self.record.user
-        self.usage.record(Spent(user, self.profile, self.source, self.prompt.prompt_tokens,
+        self.usage.record(Spent(self.account, self.profile, self.source, self.prompt.prompt_tokens,
                                 reply_tokens, self.record.outcome == "stopped",
                                 self.thread_id))

@@ -92,6 +92,16 @@ class AddressThrottle:
             self._failed.popitem(last=False)
 
 
+def checked_name(identifier: str, role: str) -> str:
+    """A new account's name, stripped, and its role; AccountError in words otherwise."""
+    identifier = identifier.strip()
+    if not identifier or len(identifier) > 200:
+        raise AccountError("a user name needs 1 to 200 characters")
+    if role not in ACCOUNT_ROLES:
+        raise AccountError(f"role {role!r}: one of {', '.join(ACCOUNT_ROLES)}")
+    return identifier
+
+
 def generate_password() -> str:
     return secrets.token_urlsafe(15)  # 20 characters, ~120 bits
 
@@ -101,13 +111,9 @@ class Accounts:
         self.engine = engine
 
     async def add(self, identifier: str, password: str, role: str = "user") -> Account:
-        identifier = identifier.strip()
-        if not identifier or len(identifier) > 200:
-            raise AccountError("a user name needs 1 to 200 characters")
+        identifier = checked_name(identifier, role)
         if len(password) < MIN_PASSWORD_CHARS:
             raise AccountError(f"a password needs at least {MIN_PASSWORD_CHARS} characters")
-        if role not in ACCOUNT_ROLES:
-            raise AccountError(f"role {role!r}: one of {', '.join(ACCOUNT_ROLES)}")
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         hashed = await asyncio.to_thread(HASHER.hash, password)
         async with self.engine.begin() as conn:
@@ -123,11 +129,7 @@ class Accounts:
         """The account of someone single sign-on let in (chat/sso.py): made at the first
         login, with no password (none can match it), its role set from the provider's word
         at every login. None when a password account has the name: it is not taken over."""
-        identifier = identifier.strip()
-        if not identifier or len(identifier) > 200:
-            raise AccountError("a user name needs 1 to 200 characters")
-        if role not in ACCOUNT_ROLES:
-            raise AccountError(f"role {role!r}: one of {', '.join(ACCOUNT_ROLES)}")
+        identifier = checked_name(identifier, role)
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         async with self.engine.begin() as conn:
             await conn.execute(text(  # two first logins at once: one row

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, timezone
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -91,11 +91,9 @@ async def chats_of(engine: AsyncEngine, owner: str) -> list[ExportedChat]:
 async def chats_in(engine: AsyncEngine, since: date | None, until: date | None,
                    owner: str | None = None) -> list[ExportedChat]:
     """Every chat with a message from `since` to `until` (UTC days, both included), whole."""
-    since, until = period(since, until)
     async with engine.connect() as conn:
-        ids = (await conn.execute(_IN_PERIOD, {
-            "since": since.isoformat(), "before": (until + timedelta(days=1)).isoformat(),
-            "owner": owner})).scalars().all()
+        ids = (await conn.execute(_IN_PERIOD, {**period(since, until),
+                                               "owner": owner})).scalars().all()
     return [c for c in [await chat(engine, i, None) for i in ids] if c is not None]
 
 

@@ -50,17 +50,10 @@ _SET_QUOTA = text('UPDATE accounts SET "dailyTokens" = :n WHERE "identifier" = :
 _TURNS = text(
     'SELECT "identifier", "profile", COUNT(*), SUM("promptTokens"), SUM("replyTokens"), '
     'SUM(CASE WHEN "stopped" THEN 1 ELSE 0 END) FROM usage '
-    'WHERE "day" >= :since AND "day" <= :until GROUP BY "identifier", "profile"')
-# Thumbs given to replies written in the period, with the reply's metadata (its profile):
-# the page rates a turn's run (Chainlit's step around the reply), an API client the reply.
-_THUMBS = text(
-    'SELECT t."userIdentifier", f."value", s."metadata", (SELECT r."metadata" FROM steps r '
-    """WHERE r."parentId" = s."id" AND r."type" = 'assistant_message' """
-    'ORDER BY r."createdAt" DESC LIMIT 1) FROM feedbacks f '
-    'JOIN steps s ON s."id" = f."forId" JOIN threads t ON t."id" = f."threadId" '
-    'WHERE s."createdAt" >= :since AND s."createdAt" < :before')
-
-# Every thumb given in the period with its comment, newest first (the admin's reading).
+    'WHERE "day" >= :since AND "day" < :before GROUP BY "identifier", "profile"')
+# Every thumb given to a reply written in the period, with its comment and the reply's
+# metadata (its profile), newest first: the page rates a turn's run (Chainlit's step around
+# the reply), an API client the reply itself.
 _FEEDBACK = text(
     'SELECT s."createdAt", t."userIdentifier", f."value", f."comment", f."threadId", '
     's."metadata", (SELECT r."metadata" FROM steps r WHERE r."parentId" = s."id" '
@@ -228,21 +221,16 @@ class Usage:
     async def report(self, since: date | None = None, until: date | None = None
                      ) -> list[UsageLine]:
         """Per account and profile, from `since` to `until` (UTC days, both included)."""
-        since, until = period(since, until)
         lines: dict[tuple, dict] = {}
         async with self.engine.connect() as conn:
-            for who, profile, turns, prompt, reply, stopped in (await conn.execute(_TURNS, {
-                    "since": since.isoformat(), "until": until.isoformat()})).all():
+            for who, profile, turns, prompt, reply, stopped in (
+                    await conn.execute(_TURNS, period(since, until))).all():
                 lines[(who, profile)] = {"turns": turns, "prompt_tokens": int(prompt or 0),
                                          "reply_tokens": int(reply or 0),
                                          "stopped": int(stopped or 0)}
-            thumbs = (await conn.execute(_THUMBS, {
-                "since": since.isoformat(),
-                "before": (until + timedelta(days=1)).isoformat()})).all()
-        for who, value, own, replied in thumbs:
-            profile = _profile(own) or _profile(replied) or "?"
-            line = lines.setdefault((who, profile), {})
-            key = "thumbs_up" if value else "thumbs_down"
+        for thumb in await self.feedback(since, until):
+            line = lines.setdefault((thumb.identifier, thumb.profile), {})
+            key = f"thumbs_{thumb.thumbs}"
             line[key] = line.get(key, 0) + 1
         return [UsageLine(who, profile, **counts) for (who, profile), counts
                 in sorted(lines.items(), key=lambda kv: (kv[0][0] or "", kv[0][1]))]
@@ -250,18 +238,18 @@ class Usage:
     async def feedback(self, since: date | None = None, until: date | None = None
                        ) -> list[Thumb]:
         """Every thumb given to a reply written from `since` to `until`, newest first."""
-        since, until = period(since, until)
         async with self.engine.connect() as conn:
-            rows = (await conn.execute(_FEEDBACK, {
-                "since": since.isoformat(),
-                "before": (until + timedelta(days=1)).isoformat()})).all()
+            rows = (await conn.execute(_FEEDBACK, period(since, until))).all()
         return [Thumb(at, who, _profile(own) or _profile(replied) or "?",
                       "up" if value else "down", comment, thread)
                 for at, who, value, comment, thread, own, replied in rows]
 
 
-def period(since: date | None, until: date | None) -> tuple[date, date]:
+def period(since: date | None, until: date | None) -> dict[str, str]:
+    """`since` to `until` (UTC days, both included; open ends allowed) as the statements'
+    bounds: {"since": first day, "before": the day after the last}, ISO dates, which compare
+    as text with a day and with an ISO time alike."""
     since, until = since or FIRST_DAY, until or LAST_DAY
     if since > until:
         raise ValueError(f"--since {since} is after --until {until}")
-    return since, until
+    return {"since": since.isoformat(), "before": (until + timedelta(days=1)).isoformat()}

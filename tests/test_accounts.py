@@ -21,12 +21,23 @@ from tools.postgres import Postgres, binaries
 STAND_IN = {"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "200"}
 
 
-def add_user(server: Server, name: str, password: str) -> None:
-    env = dict(server.env)  # its environment: its data folder, or its DATABASE_URL
-    done = subprocess.run([sys.executable, "-m", "store", "users", "add", name, "--stdin"],
-                          input=password + "\n", env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+def store_run(server: Server, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`python -m store ARGS` on the server's database (its environment: its data folder,
+    or its DATABASE_URL)."""
+    return subprocess.run([sys.executable, "-m", "store", *args], input=stdin,
+                          env=dict(server.env), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def store_command(server: Server, *args: str, stdin: str = "") -> str:
+    """What `python -m store ARGS` printed, once it succeeded."""
+    done = store_run(server, *args, stdin=stdin)
     assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def add_user(server: Server, name: str, password: str) -> None:
+    store_command(server, "users", "add", name, "--stdin", stdin=password + "\n")
 
 
 @contextlib.contextmanager

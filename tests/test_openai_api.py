@@ -5,8 +5,6 @@ client that leaves mid-reply, and requests batched with a chat user's turn."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import openai
@@ -14,7 +12,8 @@ import pytest
 
 from api.openai import refusal
 from engine import Busy, ChatError, Unavailable
-from tools.chainlit_client import ROOT, TEST_USER, ChatClient, engine_of, serving
+from tests.test_accounts import store_command
+from tools.chainlit_client import TEST_USER, ChatClient, engine_of, serving
 
 OPERATOR_KEY = "operator-key-for-tests-0123456789"
 
@@ -28,13 +27,6 @@ async def server():
 
 def api(server, key: str = OPERATOR_KEY) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-
-
-def store(server, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "store", *args], env=dict(server.env),
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def ask(text: str) -> list[dict]:
@@ -83,7 +75,7 @@ async def test_a_streamed_completion_arrives_in_pieces_with_usage_at_the_end(ser
 
 
 async def test_an_account_key_acts_as_its_account_until_revoked(server):
-    made = store(server, "keys", "add", TEST_USER, "--label", "tests")
+    made = store_command(server, "keys", "add", TEST_USER, "--label", "tests")
     key = made.strip().splitlines()[-1]
     key_id = made.split()[2]
     reply = await api(server, key).chat.completions.create(
@@ -91,7 +83,7 @@ async def test_an_account_key_acts_as_its_account_until_revoked(server):
     assert reply.usage.completion_tokens == 4
     assert f'"user": "{TEST_USER}"' in server.log() or f"user={TEST_USER}" in server.log()
     assert key not in server.log() and "Hello from a script" not in server.log()
-    store(server, "keys", "revoke", key_id)
+    store_command(server, "keys", "revoke", key_id)
     with pytest.raises(openai.AuthenticationError):
         await api(server, key).models.list()
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,8 +22,9 @@ import socketio
 from sqlalchemy import text
 
 from store.schema import connect, database_url
-from tests.test_accounts import STAND_IN, add_user, database_env, thread_steps, threads
-from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
+from tests.test_accounts import (STAND_IN, add_user, database_env, store_command,
+                                 thread_steps, threads)
+from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
 
 API_KEY = "operator-key-for-the-security-tests"
 MALLORY, MALLORY_PASSWORD = "mallory", "mallory's own password"
@@ -46,14 +45,6 @@ class Site:
 
 def mallory(site: Site) -> ChatClient:
     return ChatClient(site.server.url, "Latency-first", user=MALLORY, password=MALLORY_PASSWORD)
-
-
-def store_command(server: Server, *args: str, stdin: str = "") -> str:
-    done = subprocess.run([sys.executable, "-m", "store", *args], input=stdin,
-                          env=dict(server.env), cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def reply_of(steps: list[dict]) -> dict:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,8 +17,9 @@ import httpx
 import pytest
 
 from store import export
-from tests.test_accounts import STAND_IN, add_user, database_env, thread_steps, threads
-from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
+from tests.test_accounts import (STAND_IN, add_user, database_env, store_command, store_run,
+                                 thread_steps, threads)
+from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
 
 ALICE, BOB, CAROL = ("alice", "alice's password"), ("bob", "bob's password"), \
     ("carol", "carol's password")
@@ -43,23 +42,12 @@ def client(site: Site, who: tuple[str, str]) -> ChatClient:
     return ChatClient(site.server.url, "Latency-first", user=who[0], password=who[1])
 
 
-def store_run(site: Site, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "store", *args], env=dict(site.server.env),
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def store_ok(site: Site, *args: str) -> str:
-    done = store_run(site, *args)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 async def usage_of(site: Site, who: str, until) -> dict:
     """`store usage --json`'s lines for `who` by profile, once `until(lines)` holds (a turn's
     row is written as it ends, without holding it up)."""
     deadline = time.monotonic() + 30
     while True:
-        lines = {line["profile"]: line for line in json.loads(store_ok(site, "usage", "--json"))
+        lines = {line["profile"]: line for line in json.loads(store_command(site.server, "usage", "--json"))
                  if line["identifier"] == who}
         if until(lines) or time.monotonic() > deadline:
             return lines
@@ -130,14 +118,22 @@ async def test_thumbs_are_changed_withdrawn_and_kept_across_a_restart_with_the_q
     assert again.status_code == 200
 
     # carol may spend 1 token a day: her first turn goes (nothing spent yet), then no more.
-    assert "at most 1 tokens a day" in store_ok(site, "users", "quota", "carol", "1")
+    assert "at most 1 tokens a day" in store_command(site.server, "users", "quota", "carol", "1")
     carol, carol_thread = await chat(site, CAROL, "One question only.")
     await usage_of(site, "carol", lambda lines: lines.get("Latency-first", {}).get("turns"))
     stored = len(await thread_steps(carol, carol_thread))
     refused = await refused_turn(carol)
     assert "today's 1 tokens" in refused
-    key = store_ok(site, "keys", "add", "carol").strip().splitlines()[-1]
+    key = store_command(site.server, "keys", "add", "carol").strip().splitlines()[-1]
     assert (await api_turn(site, key)).status_code == 429
+    # An account called "operator" (the name the operator key's turns are logged under)
+    # is still an account: its quota holds.
+    add_user(site.server, "operator", "the operator account's password")
+    store_command(site.server, "users", "quota", "operator", "1")
+    named = store_command(site.server, "keys", "add", "operator").strip().splitlines()[-1]
+    assert (await api_turn(site, named)).status_code == 200
+    await usage_of(site, "operator", lambda lines: lines)
+    assert (await api_turn(site, named)).status_code == 429
     await alice.close()
     await carol.close()
 
@@ -154,7 +150,7 @@ async def test_thumbs_are_changed_withdrawn_and_kept_across_a_restart_with_the_q
     assert len(after) == stored  # the refused messages are nowhere, the reply still there
     refusal = await api_turn(site, key)
     assert refusal.status_code == 429 and refusal.json()["error"]["code"] == "quota_exceeded"
-    store_ok(site, "users", "quota", "carol", "none")
+    store_command(site.server, "users", "quota", "carol", "none")
     answered = await carol.send("And now?")
     assert answered.tokens
     assert (await api_turn(site, key)).status_code == 200
@@ -245,20 +241,20 @@ async def test_a_user_exports_their_own_chats_as_json_and_markdown_and_no_one_el
 async def test_the_admin_exports_every_chat_of_a_period(site, tmp_path):
     alice, thread = await chat(site, ALICE, "For the admin's export.")
     today = date.today()
-    everything = export.read(store_ok(site, "export", "--since", today.isoformat(),
+    everything = export.read(store_command(site.server, "export", "--since", today.isoformat(),
                                       "--until", today.isoformat()))
     assert thread in {c.id for c in everything}
     assert {"alice"} <= {c.owner for c in everything}
-    only = export.read(store_ok(site, "export", "--user", "bob"))
+    only = export.read(store_command(site.server, "export", "--user", "bob"))
     assert only == [] or {c.owner for c in only} == {"bob"}
     later = (today + timedelta(days=2)).isoformat()
-    assert export.read(store_ok(site, "export", "--since", later)) == []
+    assert export.read(store_command(site.server, "export", "--since", later)) == []
     out = tmp_path / "all.md"
-    assert "chat(s) written" in store_ok(site, "export", "--format", "md", "--out", str(out))
+    assert "chat(s) written" in store_command(site.server, "export", "--format", "md", "--out", str(out))
     assert "For the admin's export." in out.read_text()
     for bad in (["--since", "2026-13-40"], ["--since", "yesterday"],
                 ["--since", later, "--until", today.isoformat()]):
-        done = store_run(site, "export", *bad)
+        done = store_run(site.server, "export", *bad)
         assert done.returncode == 1 and done.stderr.startswith("error: "), done.stderr
         assert "Traceback" not in done.stderr
     with pytest.raises(export.ExportError):
@@ -297,15 +293,15 @@ async def test_usage_counts_turns_tokens_stopped_replies_and_thumbs_by_profile(s
     assert before["reply_tokens"] >= sum(m["output_tokens"] for m in meta)
     assert line["thumbs_down"] >= 1 and line["thumbs_up"] >= 1
     assert "?" not in lines  # each thumb counted under its reply's profile
-    said = [line.split("\t") for line in store_ok(site, "feedback").splitlines()]
+    said = [line.split("\t") for line in store_command(site.server, "feedback").splitlines()]
     assert ["bob", "Latency-first", "down", f"chat {thread}", "meh"] in [r[1:] for r in said]
     assert ["bob", "Latency-first", "up", f"chat {thread}"] in [r[1:] for r in said]
-    table = store_ok(site, "usage", "--since", date.today().isoformat())
+    table = store_command(site.server, "usage", "--since", date.today().isoformat())
     assert "bob" in table and "Latency-first" in table and "prompt tokens" in table
-    assert "no turns" in store_ok(site, "usage", "--since",
+    assert "no turns" in store_command(site.server, "usage", "--since",
                                   (date.today() + timedelta(days=1)).isoformat())
     for bad in (["usage", "--since", "12/01/2026"], ["users", "quota", "bob", "-1"],
                 ["users", "quota", "bob", "lots"], ["users", "quota", "nobody", "10"]):
-        done = store_run(site, *bad)
+        done = store_run(site.server, *bad)
         assert done.returncode == 1 and done.stderr.startswith("error: "), (bad, done.stderr)
     await bob.close()

@@ -73,4 +73,3 @@ class Postgres:
         self._run(str(self.bin / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U",
                   "postgres", "-q", "-c", f"CREATE DATABASE {name}")
         return self.url(name)
-

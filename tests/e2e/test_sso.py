@@ -11,15 +11,13 @@ be shown refused."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -27,8 +25,8 @@ import pytest
 
 from store import export
 from tests.e2e.conftest import ASSISTANT, E2E_SHOTS, Visit, send
-from tests.test_accounts import STAND_IN
-from tools.chainlit_client import ROOT, Server, free_port
+from tests.test_accounts import STAND_IN, store_command
+from tools.chainlit_client import Server, free_port
 from tools.oidc_provider import (LOGIN_FIELD, PASSWORD, PASSWORD_FIELD, SUBMIT, OidcProvider,
                                  log_in)
 
@@ -55,11 +53,8 @@ class SsoSite:
 
     def accounts(self) -> dict[str, tuple[str, str]]:
         """`store users list`: name -> (role, kind)."""
-        done = subprocess.run([sys.executable, "-m", "store", "users", "list"],
-                              env=dict(self.server.env), cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        rows = [line.split("\t") for line in done.stdout.splitlines() if "\t" in line]
+        listed = store_command(self.server, "users", "list")
+        rows = [line.split("\t") for line in listed.splitlines() if "\t" in line]
         return {row[0]: (row[1], row[2]) for row in rows}
 
 
@@ -221,12 +216,10 @@ async def test_a_tampered_session_cookie_is_refused(sso, page):
 
 
 def _unb64(part: str) -> bytes:
-    import base64
     return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
 
 
 def _b64(text: str) -> str:
-    import base64
     return base64.urlsafe_b64encode(text.encode()).rstrip(b"=").decode()
 
 
