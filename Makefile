@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles bench-replicas lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -49,6 +49,12 @@ bench-compare: model
 PROFILES_ARGS ?= --cpu-scale --pairs 2 --out bench/results/profiles-cpu.json
 bench-profiles: model
 	$(PY) -m bench.profiles $(PROFILES_ARGS)
+
+# Two app replicas against one behind the shipped proxy (bench/replicas.py; needs Debian's
+# postgresql and haproxy); writes bench/results/replicas-cpu.json.
+REPLICAS_ARGS ?= --users 32 --seconds 60 --pairs 4 --out bench/results/replicas-cpu.json
+bench-replicas: model
+	$(PY) -m bench.replicas $(REPLICAS_ARGS)
 
 # Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
 # where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).

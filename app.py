@@ -28,11 +28,11 @@ from chat.guard import Guard
 from chat.logins import Logins, slow_failing_addresses
 from chat.page import serve_own_origin_only
 from chat.panel import profile_menu, settings_panel
-from chat.session import Conversation, stored_turns
+from chat.session import Conversation, cut_off_run, stored_turns
 from chat.sso import HeaderLogin, SingleSignOn
 from chat.streaming import Pace
 from chat.turns import REGENERATE, Turns, user_name
-from chat.view import CLOSING, RANDOM_WEIGHTS, STAND_IN, page_notice
+from chat.view import CLOSING, CUT_OFF, RANDOM_WEIGHTS, STAND_IN, page_notice
 from engine import ChatError, ConfigError, Engines, Message, load_config
 from engine.settings import check_all, setting
 from service import loop
@@ -41,7 +41,7 @@ from service.shutdown import Shutdown
 from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
 from store.accounts import Accounts, AddressThrottle
 from store.api_keys import ApiKeys
-from store.data_layer import ChatDataLayer
+from store.data_layer import ChatDataLayer, StoreError
 from store.schema import database_url, migrate
 from store.sessions import LoginSessions
 from store.setup import auth_secret, data_dir, first_admin
@@ -80,12 +80,16 @@ try:
     # Accounts and chats: the data folder's database (or DATABASE_URL), migrated at start;
     # the login tokens' secret kept there unless the environment gives one (store/setup.py).
     DATA_DIR = data_dir()
+    if setting("DATABASE_URL") and not setting("CHAINLIT_AUTH_SECRET"):
+        log.warning("DATABASE_URL is set but CHAINLIT_AUTH_SECRET is not: this replica signs "
+                    "logins with its data folder's secret, which replicas on other hosts do "
+                    "not share (their users would be logged out when the proxy moves them)")
     os.environ["CHAINLIT_AUTH_SECRET"] = auth_secret(DATA_DIR)
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
     # What each turn cost and each account's daily token quota (store/usage.py).
     USAGE = Usage(STORE.engine, STORE.reader)
-    slow_failing_addresses(http, AddressThrottle())
+    slow_failing_addresses(http, AddressThrottle(STORE.engine))
     # A login token works while its session in the database is live (chat/logins.py); what
     # clients send is checked where it enters, bodies bounded, origins kept to this server's
     # and those listed in .chainlit/config.toml (chat/guard.py).
@@ -211,6 +215,8 @@ chainlit_config.code.set_chat_profiles = profile_menu(CONFIG)
 
 @cl.on_chat_start
 async def chat_start() -> None:
+    if await take_over_chat():
+        return
     conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
@@ -226,13 +232,50 @@ async def chat_start() -> None:
 async def chat_resume(thread: ThreadDict) -> None:
     """A stored chat reopened: its profile and its turns as they were, so the next turn
     is fitted exactly as it would have been in the live chat."""
-    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
-    conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
-    cl.user_session.set("conversation", conv)
-    await settings_panel(conv).send()
+    conv = await continue_chat(thread)
     if conv.turns:
         await TURNS.offer_regenerate(conv.turns[-1].reply_id)
     log.info("chat %s resumed with %d turns", thread.get("id"), len(conv.turns))
+
+
+async def continue_chat(thread: ThreadDict) -> Conversation:
+    """This session goes on with a stored chat: its turns, its settings panel, the chat
+    marked as this session's (a later reconnect elsewhere finds it), and a turn that its
+    process's end cut off said."""
+    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
+    conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
+    cl.user_session.set("conversation", conv)
+    with contextlib.suppress(StoreError):  # only a later reconnect elsewhere would miss it
+        await STORE.take_over(thread["id"], cl.context.session.id)
+    await settings_panel(conv).send()
+    if run := cut_off_run(thread.get("steps") or []):  # said once: the run is ended
+        note = cl.Message(content=CUT_OFF)
+        await note.send()
+        # Chainlit draws a resumed chat from `thread` once this returns: the note with it.
+        thread.setdefault("steps", []).append(note.to_dict())
+        with contextlib.suppress(StoreError):
+            await STORE.end_run(run)
+    return conv
+
+
+async def take_over_chat() -> bool:
+    """A page whose app replica went away (killed, restarted, its session forgotten) comes
+    back to this one with its socket session's id and no chat id: its chat goes on from
+    the database, and the page keeps what it shows. (Chainlit's own page carries the
+    chat's id once it moved to /thread/ID, and Chainlit resumes it: chat_resume.)"""
+    session = cl.context.session
+    try:
+        thread_id = session.user and await STORE.chat_of_session(session.id,
+                                                                 session.user.identifier)
+        thread = thread_id and await STORE.get_thread(thread_id)
+    except StoreError:  # the database away: a new chat, as before
+        return False
+    if not thread:
+        return False
+    session.thread_id, session.has_first_interaction = thread_id, True
+    conv = await continue_chat(thread)
+    log.info("chat %s taken over by this process with %d turns", thread_id, len(conv.turns))
+    return True
 
 
 @cl.on_chat_end

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api.requests import ApiError, read_body
+from api.requests import ApiError, read_body, session_key
 from engine import Busy, ChatError, ConfigError, Engines, Profile, Prompt
 from engine.config import Config
 from service.turn import Stopped, Turn
@@ -92,6 +92,7 @@ class OpenAIApi:
             account = await self.caller(request)
             if refused := await self.usage.refusal(account):
                 raise ApiError(429, refused, "insufficient_quota", "quota_exceeded")
+            session = session_key(request)
             raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
             profile, asked = await off_the_loop(len(raw), read_body, raw, self.config)
         except ApiError as exc:
@@ -99,7 +100,7 @@ class OpenAIApi:
         turn = Turn(self.engines, self.turns, profile.name,
                     user=OPERATOR if account is None else account,
                     message=asked["new"].content, ignore_eos=self.ignore_eos,
-                    usage=self.usage, source="api", account=account)
+                    usage=self.usage, source="api", account=account, session=session)
         call = Call(request, profile, asked, turn)
         try:
             call.prompt = await off_the_loop(len(raw), call.fit)

@@ -12,6 +12,7 @@ null means its default, as in OpenAI's API; fields this server cannot honour
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.responses import JSONResponse
 
@@ -36,6 +37,21 @@ class ApiError(Exception):
         return JSONResponse({"error": {"message": str(self), "type": self.kind,
                                        "code": self.code}}, status_code=self.status)
 
+
+SESSION_HEADER = "X-Session-Id"
+SESSION_KEY = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def session_key(request) -> str | None:
+    """The client's key for its conversation, passed on to a remote preset's router (which
+    keeps a session's requests on one model server); a malformed one is refused."""
+    key = request.headers.get(SESSION_HEADER)
+    if key is None:
+        return None
+    if not SESSION_KEY.fullmatch(key):
+        raise ApiError(400, f"The {SESSION_HEADER} header must be 1 to 128 printable ASCII "
+                       "characters without spaces.", code="invalid_session_id")
+    return key
 
 
 def read_body(raw: bytes, config: Config) -> tuple[Profile, dict]:

@@ -77,10 +77,11 @@ def check_flags(args: dict, flags: list[str]) -> None:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` in its own process group, given vLLM
     engine arguments (checked to come out of the server's parser unchanged), on `port` or
-    a free one. `start` again after `stop` brings it back on the same port."""
+    a free one, with `extra_flags` of the server's own (not engine arguments). `start`
+    again after `stop` brings it back on the same port."""
 
     def __init__(self, args: dict, env: dict, served_name: str | None = None,
-                 port: int | None = None):
+                 port: int | None = None, extra_flags: tuple[str, ...] = ()):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
@@ -93,7 +94,7 @@ class VllmServer:
         check_flags(args, flags)
         self.command = [sys.executable, "-m", SERVER_MODULE, "--model", self.model,
                         "--served-model-name", self.served_name, "--host", "127.0.0.1",
-                        "--port", str(self.port), *flags]
+                        "--port", str(self.port), *flags, *extra_flags]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -136,7 +136,8 @@ class Logins:
 
 def slow_failing_addresses(http, throttle) -> None:
     """POST /login from an address that keeps failing waits (`throttle`, an
-    AddressThrottle): Chainlit's login callback is not told the address, so this wraps
+    AddressThrottle, in the database: every replica counts the same failures):
+    Chainlit's login callback is not told the address, so this wraps
     its route."""
 
     @http.middleware("http")
@@ -144,9 +145,9 @@ def slow_failing_addresses(http, throttle) -> None:
         if request.method != "POST" or request.url.path != "/login":
             return await call_next(request)
         address = request.client.host if request.client else "unknown"
-        await asyncio.sleep(throttle.wait_s(address))
+        await asyncio.sleep(await throttle.wait_s(address))
         response = await call_next(request)
-        throttle.record(address, ok=response.status_code < 400)
+        await throttle.record(address, ok=response.status_code < 400)
         return response
 
 

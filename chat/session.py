@@ -180,6 +180,16 @@ def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, 
     return turns
 
 
+def cut_off_run(steps: list[dict]) -> str | None:
+    """The id of a stored chat's last turn if it never ended: Chainlit stores the "run"
+    step around each message's handling when it begins and its end when it ends, so a run
+    with no end was cut off with its process (its reply, stored only when finished, is
+    lost)."""
+    runs = [s for s in steps if s.get("type") == "run"]
+    last = max(runs, key=lambda s: s.get("createdAt") or "", default=None)
+    return last.get("id") if last is not None and not last.get("end") else None
+
+
 def _number(value, kind):
     if isinstance(value, bool):
         return None

@@ -20,6 +20,9 @@ CLOSING = ("The app is restarting or shutting down, so your message was not sent
            "send it again in a minute.")
 NOT_ANSWERED = ("The app shut down before your message could be answered; it is not part of "
                 "the conversation. Please send it again in a minute.")
+CUT_OFF = ("The server that was answering your last message went away before the reply was "
+           "finished, so that reply is not part of the conversation. This chat goes on here "
+           "with everything before it: please send that message again.")
 CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again once it is "
              "back for a full reply.*")
 STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "

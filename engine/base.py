@@ -68,10 +68,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-               preset: str | None = None) -> AsyncIterator[str | TurnStats]:
+               preset: str | None = None, session: str | None = None
+               ) -> AsyncIterator[str | TurnStats]:
         """Text deltas, then one TurnStats; leaving early ends the turn on the engine.
         `priority`: the turn's class where the engine schedules by priority (lower first);
-        `preset`: whose turn it is on a shared engine (for its stats)."""
+        `preset`: whose turn it is on a shared engine (for its stats); `session`: a key
+        that stays the same for a chat's turns (its id), which a remote server's router may
+        keep on one replica."""
 
     async def warm_up(self, samplings: list[dict], batches: list[int]) -> int:
         """Run what the first users' turns will before anyone waits on it; the turns run.

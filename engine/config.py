@@ -24,6 +24,8 @@ from .settings import SETTINGS, setting
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
+HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+
 @dataclass(frozen=True)
 class Memory:
     """How much of the device the engines may use in total; presets take shares of it."""
@@ -43,6 +45,9 @@ class Remote:
     max_num_seqs: int = 64  # turns this app sends it at once; more wait in our line
     max_model_len: int | None = None  # None: the server's own (its /v1/models says)
     tokenizer: str | None = None  # None: the top-level `model:`'s tokenizer
+    # The header carrying each request's session key (a chat's id), for a router that
+    # keeps a session on one server (engine/remote.py); None: no key is sent.
+    session_header: str | None = "X-Session-Id"
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,8 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
     check_map(source, where, body, required={"remote"}, optional={"max_queued_turns"})
     at = f"{where}.remote"
     raw = check_map(source, at, body["remote"], required={"base_url", "model"},
-                    optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer"})
+                    optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer",
+                              "session_header"})
     url = check_type(source, f"{at}.base_url", raw["base_url"], str).strip()
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -302,13 +308,17 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
     if key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
         raise ConfigError(source, f"{at}.api_key_env", "must name an environment variable "
                           f"(which holds the key, not the key itself), got {key_env!r}")
+    header = raw.get("session_header", Remote.session_header)
+    if header is not None and not (isinstance(header, str) and HEADER_NAME.fullmatch(header)):
+        raise ConfigError(source, f"{at}.session_header", "must be an HTTP header name "
+                          f"(letters, digits and -), or null to send none, got {header!r}")
     remote = Remote(
         url.rstrip("/"), raw["model"], key_env,
         check_number(source, f"{at}.max_num_seqs",
                      raw.get("max_num_seqs", Remote.max_num_seqs), int, lo=1),
         None if raw.get("max_model_len") is None else check_number(
             source, f"{at}.max_model_len", raw["max_model_len"], int, lo=2),
-        raw.get("tokenizer"))
+        raw.get("tokenizer"), header)
     return Preset(name, 0.0, max_queued_turns=queued, remote=remote)
 
 

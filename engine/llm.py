@@ -195,7 +195,8 @@ class PresetEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
+                     preset: str | None = None, session: str | None = None
+                     ) -> AsyncIterator[str | TurnStats]:
         """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind

@@ -313,10 +313,12 @@ class Engines:
 
     async def stream(
         self, prompt: Prompt, profile: str,
-        on_queued: Callable[[int], Awaitable[None]] | None = None, **sampling
+        on_queued: Callable[[int], Awaitable[None]] | None = None, session: str | None = None,
+        **sampling
     ) -> AsyncIterator[str | TurnStats]:
         """Stream one turn on the profile's engine, with the profile's sampling unless
-        `sampling` (temperature, top_p, ignore_eos, seed) says otherwise.
+        `sampling` (temperature, top_p, ignore_eos, seed) says otherwise; `session`: the
+        chat's key, for a remote engine's router (engine/remote.py).
 
         The turn first takes a place in the engine's admission queue (admission.py):
         `on_queued(place)` hears about waiting; a ChatError says the queue is full.
@@ -333,6 +335,7 @@ class Engines:
             engine = self._serving(prof)
             # aclosing: when our caller leaves early, the engine's stream is closed (and its
             # request aborted) now, not whenever the garbage collector gets to it.
-            async with contextlib.aclosing(engine.stream(prompt, **sampling)) as items:
+            async with contextlib.aclosing(engine.stream(prompt, session=session,
+                                                         **sampling)) as items:
                 async for item in items:
                     yield item

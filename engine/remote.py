@@ -219,9 +219,12 @@ class RemoteEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
+                     preset: str | None = None, session: str | None = None
+                     ) -> AsyncIterator[str | TurnStats]:
         """Yield text deltas, then one TurnStats. Leaving early closes the HTTP stream,
-        which makes the server abort the request. `priority` is the server's own matter."""
+        which makes the server abort the request. `priority` is the server's own matter;
+        `session` goes in the remote block's `session_header`, for a router in front of
+        several servers to keep a chat on one of them (and its prefix cache warm)."""
         client = self._client
         if client is None:
             raise self.not_running()
@@ -239,7 +242,7 @@ class RemoteEngine(Engine):
                 stream_options={"include_usage": True}, max_tokens=prompt.max_tokens,
                 temperature=temperature, top_p=top_p, seed=seed,
                 extra_body={"ignore_eos": True} if ignore_eos else None,  # vLLM's own field
-                extra_headers={"X-Request-Id": request_id})
+                extra_headers=self._headers(request_id, session))
             async for chunk in stream:
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
@@ -278,6 +281,13 @@ class RemoteEngine(Engine):
                   f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,
                   finish)
         yield stats
+
+
+    def _headers(self, request_id: str, session: str | None) -> dict:
+        headers = {"X-Request-Id": request_id}
+        if session and self.remote.session_header:
+            headers[self.remote.session_header] = session
+        return headers
 
 
 def _explain(exc: openai.APIError, answered: bool) -> tuple[str, bool]:

@@ -69,7 +69,8 @@ class StandInEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None) -> AsyncIterator[str | TurnStats]:
+                     preset: str | None = None, session: str | None = None
+                     ) -> AsyncIterator[str | TurnStats]:
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
         (the engine never waits for its readers)."""

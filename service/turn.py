@@ -55,12 +55,16 @@ class Turn:
     def __init__(self, engines: Engines, metrics: TurnMetrics, profile: str, *,
                  user: str | None, message: str, arrived: float | None = None,
                  ignore_eos: bool = False, usage: Usage | None = None, source: str = "chat",
-                 account: str | None = None, thread_id: str | None = None):
+                 account: str | None = None, thread_id: str | None = None,
+                 session: str | None = None):
         self.engines, self.metrics, self.profile = engines, metrics, profile
         # Where its cost is stored when it ends (store/usage.py), and for which account
         # (None: the API's operator key, which has none).
         self.usage, self.source, self.account = usage, source, account
         self.thread_id = thread_id
+        # What keeps its turns on one model server behind a router (engine/remote.py): the
+        # chat's id, or what an API client sent as its session.
+        self.session = session or thread_id
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
         self.record.arrived = arrived  # when the message reached the server (monotonic)
@@ -86,7 +90,7 @@ class Turn:
         Leaving early ends the turn on the engine."""
         async with contextlib.aclosing(self.engines.stream(
                 prompt, self.profile, on_queued=on_queued, ignore_eos=self.ignore_eos,
-                **sampling)) as items:
+                session=self.session, **sampling)) as items:
             async for item in items:
                 if isinstance(item, TurnStats):
                     self.stats = item

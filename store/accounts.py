@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -60,36 +59,48 @@ def failure_delay(failures: int) -> float:
 
 
 class AddressThrottle:
-    """Failed logins in a row per client address, in memory (a restart forgets them): the
-    next attempt from an address waits `failure_delay` of its failures, counted from the
-    last one. A success from the address, or an hour without failures, clears it. Behind a
-    reverse proxy the address is the forwarded one when the proxy is trusted (uvicorn
-    trusts 127.0.0.1; FORWARDED_ALLOW_IPS names others), else every user shares the
-    proxy's."""
+    """Failed logins in a row per client address, in the database (`login_failures`), so
+    that every app process on it counts the same failures (a replica behind a proxy is
+    no way around the wait): the next attempt from an address waits `failure_delay` of
+    its failures, counted from the last one. A success from the address clears it; an hour
+    without failures forgets it. Behind a reverse proxy the address is the forwarded one
+    when the proxy is trusted (uvicorn trusts 127.0.0.1; FORWARDED_ALLOW_IPS names
+    others), else every user shares the proxy's."""
 
     FORGET_S = 3600.0
 
-    def __init__(self, addresses: int = 10_000):
-        self.addresses = addresses
-        self._failed: OrderedDict[str, tuple[int, float]] = OrderedDict()  # n, last at
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
 
-    def wait_s(self, address: str, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        failures, last = self._failed.get(address, (0, now))
-        if now - last > self.FORGET_S:
+    async def wait_s(self, address: str, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(_ADDRESS_FAILURES, {"a": address})).first()
+        if row is None or now - row.lastFailedAt > self.FORGET_S:
             return 0.0
-        return max(0.0, failure_delay(failures) - (now - last))
+        return max(0.0, failure_delay(row.failures) - (now - row.lastFailedAt))
 
-    def record(self, address: str, ok: bool, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        failures, last = self._failed.pop(address, (0, now))
-        if ok:
-            return
-        if now - last > self.FORGET_S:
-            failures = 0
-        self._failed[address] = (failures + 1, now)
-        while len(self._failed) > self.addresses:  # the longest quiet goes first
-            self._failed.popitem(last=False)
+    async def record(self, address: str, ok: bool, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        async with self.engine.begin() as conn:
+            await conn.execute(_FORGET_ADDRESSES, {"before": now - self.FORGET_S})
+            if ok:
+                await conn.execute(_ADDRESS_CLEARED, {"a": address})
+            else:
+                await conn.execute(_ADDRESS_FAILED, {"a": address, "now": now,
+                                                     "forget": self.FORGET_S})
+
+
+_ADDRESS_FAILURES = text('SELECT "failures", "lastFailedAt" FROM login_failures '
+                         'WHERE "address" = :a')
+_FORGET_ADDRESSES = text('DELETE FROM login_failures WHERE "lastFailedAt" < :before')
+_ADDRESS_CLEARED = text('DELETE FROM login_failures WHERE "address" = :a')
+# One statement, so that two replicas' failures at once both count.
+_ADDRESS_FAILED = text(
+    'INSERT INTO login_failures ("address", "failures", "lastFailedAt") VALUES (:a, 1, :now) '
+    'ON CONFLICT ("address") DO UPDATE SET "failures" = CASE WHEN :now - '
+    'login_failures."lastFailedAt" > :forget THEN 1 ELSE login_failures."failures" + 1 END, '
+    '"lastFailedAt" = :now')
 
 
 def checked_name(identifier: str, role: str) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 from chainlit.context import context
 from chainlit.data.base import BaseDataLayer
 from chainlit.data.utils import queue_until_user_message
+from chainlit.session import WebsocketSession
 from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, ThreadFilter
 from chainlit.user import PersistedUser, User
 from sqlalchemy import text
@@ -64,13 +65,21 @@ def _session_thread() -> str | None:
     return None
 
 
+def _socket_session_of(thread_id: str) -> str | None:
+    """The id of the socket session this call runs in, when its chat is `thread_id`."""
+    with contextlib.suppress(Exception):  # no session context (an HTTP request, a test)
+        session = context.session
+        if isinstance(session, WebsocketSession) and session.thread_id == thread_id:
+            return session.id
+    return None
+
+
 class ChatDataLayer(BaseDataLayer):
     def __init__(self, url: str):
         self.engine = connect(url)  # store/schema.py's: SQLite set up
         self.reader = Reader(self.engine)  # for checks that only read
         self.sqlite = url.startswith("sqlite")
         self._threads: set[str] = set()  # threads this process knows exist
-        self._users = asyncio.Lock()
         self.failures = 0
         self.last_failure: str | None = None
         self._writes: dict[str, set[asyncio.Task]] = {}  # thread id -> writes under way
@@ -135,19 +144,15 @@ class ChatDataLayer(BaseDataLayer):
 
     async def create_user(self, user: User) -> PersistedUser | None:
         """Chainlit reads, then inserts the user of each login: two first logins at once
-        both inserted, and one failed (bench/burst.py's 256 sessions found it). One at a
-        time here; logins are few. A login's session id is the token's, never stored."""
+        both inserted, and one failed (bench/burst.py's 256 sessions found it; two replicas
+        race the same way). One statement here makes or updates it. A login's session id
+        is the token's, never stored."""
         metadata = json.dumps({k: v for k, v in (user.metadata or {}).items()
                                if k != SESSION_KEY})
-        async with self._users:
-            if await self.get_user(user.identifier) is None:
-                await self.execute_sql(q.USER_INSERT, {
-                    "id": str(uuid.uuid4()), "identifier": user.identifier,
-                    "metadata": metadata, "createdAt": await self.get_current_timestamp()})
-            else:
-                await self.execute_sql(q.USER_UPDATE_METADATA,
-                                       {"identifier": user.identifier, "metadata": metadata})
-            return await self.get_user(user.identifier)
+        await self.execute_sql(q.USER_UPSERT, {
+            "id": str(uuid.uuid4()), "identifier": user.identifier, "metadata": metadata,
+            "createdAt": await self.get_current_timestamp()})
+        return await self.get_user(user.identifier)
 
     # -- threads ----------------------------------------------------------------------
 
@@ -184,13 +189,31 @@ class ChatDataLayer(BaseDataLayer):
             "id": thread_id, "createdAt": None if rows else await self.get_current_timestamp(),
             "name": name if name is not None else (merged.get("name") if metadata else None),
             "userId": user_id, "userIdentifier": identifier, "tags": tags,
-            "metadata": merged}))
+            "metadata": merged, "sessionId": _socket_session_of(thread_id)}))
         self._know(thread_id)
 
     def _know(self, thread_id: str) -> None:
         if len(self._threads) >= KNOWN_THREADS:
             self._threads.clear()  # re-read once each
         self._threads.add(thread_id)
+
+    async def chat_of_session(self, session_id: str, identifier: str) -> str | None:
+        """The stored chat that socket session `session_id` last wrote to, if it is
+        `identifier`'s: a page whose replica went away reconnects to another one with
+        its session id and no chat id (Chainlit's page sends the chat's id only for a chat
+        it reopened), and this finds its chat again."""
+        rows = await self.execute_sql(q.THREAD_OF_SESSION, {"session": session_id,
+                                                            "identifier": identifier})
+        return rows[0]["id"] if rows else None
+
+    async def take_over(self, thread_id: str, session_id: str) -> None:
+        """Socket session `session_id` now holds the chat (a reopened or taken-over one)."""
+        await self.execute_sql(q.THREAD_TAKEN_OVER, {"id": thread_id, "session": session_id})
+
+    async def end_run(self, step_id: str) -> None:
+        """A turn's run step that its process never ended (cut_off_run) gets an end."""
+        await self.execute_sql(q.STEP_ENDED, {"id": step_id,
+                                              "end": await self.get_current_timestamp()})
 
     async def get_thread(self, thread_id: str) -> dict | None:
         if not isinstance(thread_id, str):

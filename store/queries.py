@@ -43,9 +43,11 @@ def _upsert(table: str, columns: tuple[str, ...], where: str) -> str:
 # -- users ----------------------------------------------------------------------------
 USER_BY_IDENTIFIER = 'SELECT "id", "identifier", "metadata", "createdAt" FROM users ' \
                      'WHERE "identifier" = :identifier'
-USER_INSERT = 'INSERT INTO users ("id", "identifier", "metadata", "createdAt") ' \
-              'VALUES (:id, :identifier, :metadata, :createdAt)'
-USER_UPDATE_METADATA = 'UPDATE users SET "metadata" = :metadata WHERE "identifier" = :identifier'
+# A login's user, made or its metadata changed in one statement: two first logins of one
+# account at once, in two app processes, make one row.
+USER_UPSERT = 'INSERT INTO users ("id", "identifier", "metadata", "createdAt") ' \
+              'VALUES (:id, :identifier, :metadata, :createdAt) ON CONFLICT ("identifier") ' \
+              'DO UPDATE SET "metadata" = excluded."metadata"'
 USER_IDENTIFIER_BY_ID = 'SELECT "identifier" FROM users WHERE "id" = :id'
 
 # -- threads --------------------------------------------------------------------------
@@ -54,12 +56,20 @@ THREAD_METADATA = 'SELECT "metadata" FROM threads WHERE "id" = :id'
 # The owner is set once: COALESCE keeps a stored owner whatever a later call passes.
 THREAD_UPSERT = (
     'INSERT INTO threads ("id", "createdAt", "name", "userId", "userIdentifier", "tags", '
-    '"metadata") VALUES (:id, :createdAt, :name, :userId, :userIdentifier, :tags, :metadata) '
+    '"metadata", "sessionId") VALUES (:id, :createdAt, :name, :userId, :userIdentifier, '
+    ':tags, :metadata, :sessionId) '
     'ON CONFLICT ("id") DO UPDATE SET "name" = COALESCE(excluded."name", threads."name"), '
+    '"sessionId" = COALESCE(excluded."sessionId", threads."sessionId"), '
     '"userId" = COALESCE(threads."userId", excluded."userId"), '
     '"userIdentifier" = COALESCE(threads."userIdentifier", excluded."userIdentifier"), '
     '"tags" = COALESCE(excluded."tags", threads."tags"), '
     '"metadata" = COALESCE(excluded."metadata", threads."metadata")')
+# The chat a socket session last wrote to, if it is the user's (a page reconnecting to
+# another replica: app.py's chat_start).
+THREAD_OF_SESSION = ('SELECT "id" FROM threads WHERE "sessionId" = :session '
+                     'AND "userIdentifier" = :identifier')
+THREAD_TAKEN_OVER = 'UPDATE threads SET "sessionId" = :session WHERE "id" = :id'
+STEP_ENDED = 'UPDATE steps SET "end" = :end WHERE "id" = :id AND "end" IS NULL'
 THREAD_BY_ID = ('SELECT "id", "createdAt", "name", "userId", "userIdentifier", "tags", '
                 '"metadata" FROM threads WHERE "id" = :id')
 # A user's chats, newest activity first; optionally only those with a step containing

@@ -12,6 +12,9 @@ text on SQLite; tag lists are TEXT[] on PostgreSQL and JSON text on SQLite.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
@@ -20,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from engine.settings import setting
 
 READ_WAIT_S = 0.25  # longest a SQLite read on the event loop's thread waits for a lock
+SETUP_LOCK = 0x76636861  # PostgreSQL's advisory lock for setting a database up ("vcha")
 
 
 def database_url(data_dir: Path, env: dict | None = None) -> str:
@@ -169,6 +173,15 @@ def migrations(postgres: bool) -> list[list[str]]:
          'CREATE INDEX usage_by_day ON usage ("day")',
          'ALTER TABLE accounts ADD COLUMN "dailyTokens" INTEGER',
          """ALTER TABLE accounts ADD COLUMN "kind" TEXT NOT NULL DEFAULT 'password'"""],
+        # 5: state that several app processes on one database share (issue 30): failed
+        # logins per client address (store/accounts.py's AddressThrottle), and the socket
+        # session that opened each chat, so that another replica can take the chat over
+        # when the page reconnects to it (store/data_layer.py's `chat_of_session`).
+        ["""CREATE TABLE login_failures (
+            "address" TEXT PRIMARY KEY, "failures" INTEGER NOT NULL,
+            "lastFailedAt" DOUBLE PRECISION NOT NULL)""",
+         'ALTER TABLE threads ADD COLUMN "sessionId" TEXT',
+         'CREATE INDEX threads_by_session ON threads ("sessionId")'],
     ]
 
 
@@ -185,10 +198,45 @@ async def schema_version(engine: AsyncEngine) -> int:
         return (await conn.execute(text("SELECT version FROM schema_version"))).scalar_one()
 
 
+@contextlib.asynccontextmanager
+async def one_at_a_time(engine: AsyncEngine):
+    """Held by one process at a time per database: app replicas starting together on an
+    empty database (and the operator's commands beside them) set it up once, not all at
+    once (two CREATE TABLEs, two first admins). PostgreSQL: a session advisory lock on a
+    connection of its own, let go when the block ends or the process dies; SQLite: an
+    exclusive lock on a file beside the database."""
+    if engine.dialect.name == "postgresql":
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": SETUP_LOCK})
+            await conn.commit()
+            try:
+                yield
+            finally:
+                await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": SETUP_LOCK})
+                await conn.commit()
+        return
+    database = engine.url.database
+    if not database or database == ":memory:":  # one process can reach it
+        yield
+        return
+    with open(f"{database}.setup-lock", "a") as held:
+        await asyncio.to_thread(fcntl.flock, held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 async def migrate(engine: AsyncEngine) -> tuple[int, int]:
     """Bring the database to SCHEMA_VERSION, each version in one transaction (on SQLite and
     PostgreSQL alike, a failed step leaves the previous version whole). Returns (from, to).
-    A database newer than this app is refused rather than written to."""
+    A database newer than this app is refused rather than written to. One process at a
+    time: the others wait, then find it done."""
+    async with one_at_a_time(engine):
+        return await _migrate(engine)
+
+
+async def _migrate(engine: AsyncEngine) -> tuple[int, int]:
     postgres = engine.dialect.name == "postgresql"
     found = await schema_version(engine)
     if found > SCHEMA_VERSION:

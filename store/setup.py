@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.settings import setting
 from store.accounts import Accounts, generate_password
+from store.schema import one_at_a_time
 
 SECRET_FILE = "auth-secret"
 
@@ -33,18 +34,31 @@ def auth_secret(folder: Path, env: dict | None = None) -> str:
     if given:
         return given
     path = Path(folder) / SECRET_FILE
-    if not path.exists():
+    if not path.exists():  # written whole beside it, then linked: never seen half-made
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        made = path.with_name(f".{SECRET_FILE}.{os.getpid()}")
+        fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_urlsafe(48) + "\n")
+        try:
+            os.link(made, path)
+        except FileExistsError:  # another process on this folder made it first: theirs
+            pass
+        finally:
+            made.unlink()
     return path.read_text().strip()
 
 
 async def first_admin(accounts: Accounts, env: dict | None = None
                       ) -> tuple[str, str | None] | None:
     """Create the first admin if there is no account. Returns None when accounts exist,
-    else (name, generated password or None when the environment gave it)."""
+    else (name, generated password or None when the environment gave it). One process at
+    a time (replicas starting together make one admin)."""
+    async with one_at_a_time(accounts.engine):
+        return await _first_admin(accounts, env)
+
+
+async def _first_admin(accounts: Accounts, env: dict | None) -> tuple[str, str | None] | None:
     if await accounts.count():
         return None
     name, password = setting("VCHAT_ADMIN_USER", env), setting("VCHAT_ADMIN_PASSWORD", env)

@@ -13,7 +13,7 @@ from sqlalchemy import inspect, text
 from store.accounts import Accounts
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
-from tests.test_store import hostile_round
+from tests.test_store import hostile_round, set_up_at_once
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
 from tools.postgres import Postgres, binaries
 
@@ -33,6 +33,10 @@ def pg():
 @pytest.fixture
 def db_url(pg) -> str:
     return database_url(None, env={"DATABASE_URL": pg.new_database()})
+
+
+async def test_processes_setting_up_one_postgresql_database_at_once_do_it_once(db_url):
+    await set_up_at_once(db_url)
 
 
 async def test_the_schema_is_created_migrated_and_guarded_on_postgresql(db_url):

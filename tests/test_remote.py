@@ -87,7 +87,8 @@ CASES = [
     ("no model", with_remote(lambda p: p["remote"].pop("model")),
      "presets.latency-first.remote.model", "missing"),
     ("unknown remote key", with_remote(api_key="sk-123"), "presets.latency-first.remote.api_key",
-     "allowed: api_key_env, base_url, max_model_len, max_num_seqs, model, tokenizer"),
+     "allowed: api_key_env, base_url, max_model_len, max_num_seqs, model, session_header, "
+     "tokenizer"),
     ("not a URL", with_remote(base_url="fleet:8000"), "presets.latency-first.remote.base_url",
      "http(s) URL"),
     ("a key, not a variable name", with_remote(api_key_env="sk-abc.def"),
@@ -97,6 +98,10 @@ CASES = [
      "presets.latency-first.remote.max_model_len", "whole number"),
     ("empty tokenizer", with_remote(tokenizer=" "), "presets.latency-first.remote.tokenizer",
      "must not be empty"),
+    ("not a header name", with_remote(session_header="X Session: 1"),
+     "presets.latency-first.remote.session_header", "must be an HTTP header name"),
+    ("a header name of the wrong type", with_remote(session_header=["X-Chat"]),
+     "presets.latency-first.remote.session_header", "or null to send none"),
 ]
 
 
@@ -122,6 +127,20 @@ def test_a_remote_preset_loads_and_takes_no_memory_share(tmp_path):
     bare = load_config(write_profiles(tmp_path, with_remote(base_url=URL + "/")), env={})
     remote = bare.presets["latency-first"].remote
     assert remote.base_url == URL and remote.max_num_seqs == 64 and remote.max_model_len is None
+    assert remote.session_header == "X-Session-Id"
+    for header in ("X-Chat-Key", None):
+        named = load_config(write_profiles(tmp_path, with_remote(session_header=header)), env={})
+        assert named.presets["latency-first"].remote.session_header == header
+
+
+def test_a_remote_turn_carries_its_session_key_in_the_header_named():
+    """The headers of each request (seen arriving at a real server: tests/test_deploy.py)."""
+    engine = RemoteEngine("fleet", Remote(URL, "m", session_header="X-Chat-Key"), "/m")
+    assert engine._headers("chat-1", "thread-9") == {"X-Request-Id": "chat-1",
+                                                      "X-Chat-Key": "thread-9"}
+    assert engine._headers("chat-2", None) == {"X-Request-Id": "chat-2"}
+    quiet = RemoteEngine("fleet", Remote(URL, "m", session_header=None), "/m")
+    assert quiet._headers("chat-3", "thread-9") == {"X-Request-Id": "chat-3"}
 
 
 async def test_a_missing_api_key_variable_is_named_before_anything_is_sent(monkeypatch):

@@ -3,6 +3,7 @@ writes), Chainlit's data layer on it with its SQLite traps handled, password acc
 operator's users command and the data folder's secret and first admin (the app on them:
 tests/test_accounts.py; the same on PostgreSQL: tests/test_postgres.py)."""
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -20,7 +21,7 @@ from chainlit.step import Step
 from sqlalchemy import inspect, text
 
 from store import accounts as accounts_module
-from store.accounts import AccountError, Accounts, failure_delay
+from store.accounts import AccountError, Accounts, AddressThrottle, failure_delay
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
 from store.setup import auth_secret, data_dir, first_admin
 from tools.chainlit_client import ROOT
@@ -191,25 +192,59 @@ async def test_a_failed_write_is_raised_counted_and_reported_for_its_thread(laye
     assert await layer.healthy()
 
 
-def test_an_address_that_keeps_failing_waits_and_is_forgotten_after_success_or_an_hour():
-    from store.accounts import AddressThrottle
+async def test_an_address_that_keeps_failing_waits_and_is_forgotten_after_success_or_an_hour(
+        engine, tmp_path):
+    await migrate(engine)
+    throttle = AddressThrottle(engine)
+    # Another process on the same database (a second replica) sees the same failures.
+    other_engine = connect(database_url(tmp_path / "data", env={}))
+    other = AddressThrottle(other_engine)
+    try:
+        for n in range(3):
+            await (throttle if n % 2 else other).record("10.0.0.1", ok=False, now=100.0 + n)
+        assert await throttle.wait_s("10.0.0.1", now=102.0) == failure_delay(3)
+        assert await other.wait_s("10.0.0.1", now=102.5) == failure_delay(3) - 0.5
+        assert await throttle.wait_s("10.0.0.2", now=102.0) == 0, "others are not slowed"
+        await other.record("10.0.0.1", ok=True, now=103.0)
+        assert await throttle.wait_s("10.0.0.1", now=103.0) == 0
+        await throttle.record("10.0.0.1", ok=False, now=200.0)
+        later = 200.0 + AddressThrottle.FORGET_S + 1
+        assert await throttle.wait_s("10.0.0.1", now=later) == 0
+        await throttle.record("10.0.0.1", ok=False, now=later)
+        assert await throttle.wait_s("10.0.0.1", now=later) == failure_delay(1), \
+            "an hour's quiet starts the count again"
+        await throttle.record("10.0.0.2", ok=False, now=later + AddressThrottle.FORGET_S + 1)
+        async with engine.connect() as conn:
+            kept = (await conn.execute(text('SELECT "address" FROM login_failures'))).all()
+        assert [r.address for r in kept] == ["10.0.0.2"], "an hour's quiet is deleted"
+    finally:
+        await other_engine.dispose()
 
-    throttle = AddressThrottle(addresses=2)
-    for n in range(3):
-        throttle.record("10.0.0.1", ok=False, now=100.0 + n)
-    assert throttle.wait_s("10.0.0.1", now=102.0) == failure_delay(3)
-    assert throttle.wait_s("10.0.0.1", now=102.5) == failure_delay(3) - 0.5
-    assert throttle.wait_s("10.0.0.2", now=102.0) == 0, "other addresses are not slowed"
-    throttle.record("10.0.0.1", ok=True, now=103.0)
-    assert throttle.wait_s("10.0.0.1", now=103.0) == 0
-    throttle.record("10.0.0.1", ok=False, now=200.0)
-    assert throttle.wait_s("10.0.0.1", now=200.0 + AddressThrottle.FORGET_S + 1) == 0
-    throttle.record("10.0.0.1", ok=False, now=200.0 + AddressThrottle.FORGET_S + 1)
-    assert throttle.wait_s("10.0.0.1", now=200.0 + AddressThrottle.FORGET_S + 1) == \
-        failure_delay(1), "an hour's quiet starts the count again"
-    for address in ("10.0.0.2", "10.0.0.3"):  # bounded: the longest quiet is dropped
-        throttle.record(address, ok=False, now=5000.0)
-    assert throttle.wait_s("10.0.0.1", now=5000.0) == 0
+
+async def set_up_at_once(url: str) -> None:
+    """Replicas starting together on an empty database at `url`: each its own engine
+    (connections and lock of its own, as separate processes have), all at once. The
+    schema and the first admin are made once, and failed logins from one address are
+    counted by all of them."""
+    engines = [connect(url) for _ in range(4)]
+    env = {"VCHAT_ADMIN_USER": "boss", "VCHAT_ADMIN_PASSWORD": "a-long-password"}
+    try:
+        done = await asyncio.gather(*(migrate(e) for e in engines))
+        assert sorted(done) == [(0, SCHEMA_VERSION)] + [(SCHEMA_VERSION, SCHEMA_VERSION)] * 3
+        made = await asyncio.gather(*(first_admin(Accounts(e), env) for e in engines))
+        assert made.count(None) == 3 and ("boss", None) in made
+        assert [a.identifier for a in await Accounts(engines[0]).list()] == ["boss"]
+        throttles = [AddressThrottle(e) for e in engines]
+        await asyncio.gather(*(t.record("10.1.1.1", ok=False, now=1000.0)
+                               for t in throttles * 3))
+        assert await throttles[0].wait_s("10.1.1.1", now=1000.0) == failure_delay(12)
+    finally:
+        for e in engines:
+            await e.dispose()
+
+
+async def test_processes_setting_up_one_database_at_once_do_it_once(tmp_path):
+    await set_up_at_once(database_url(tmp_path / "data", env={}))
 
 
 async def test_a_turns_writes_land_in_order_in_few_statements_on_a_wal_database(layer):

@@ -77,9 +77,10 @@ class Reply:
 
 class ChatClient:
     def __init__(self, base_url: str, profile: str, user: str = TEST_USER,
-                 password: str = TEST_PASSWORD):
+                 password: str = TEST_PASSWORD, cookies: dict | None = None):
         self.base_url, self.profile = base_url, profile
         self.user, self.password = user, password
+        self.cookies = dict(cookies or {})  # sent besides the login's (a proxy's replica)
         self.session_id = str(uuid.uuid4())
         self.sio = socketio.AsyncClient(reconnection=False)
         self.events: list[Event] = []
@@ -94,7 +95,7 @@ class ChatClient:
 
     async def login(self) -> str:
         """Log in as a browser does (POST /login); the session cookie's token."""
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(cookies=self.cookies) as client:
             r = await client.post(self.base_url + "/login", timeout=60,
                                   data={"username": self.user, "password": self.password})
         if r.status_code != 200:
@@ -106,7 +107,7 @@ class ChatClient:
         """An HTTP client logged in as this user, for Chainlit's REST API (/project/...)."""
         token = await self.login()
         async with httpx.AsyncClient(base_url=self.base_url, timeout=60,
-                                     cookies={"access_token": token}) as http:
+                                     cookies={**self.cookies, "access_token": token}) as http:
             yield http
 
     async def connect(self, wait_chat_start: bool = True, resume: str = "") -> None:
@@ -130,11 +131,20 @@ class ChatClient:
         if self._settings:
             await self.settings(**self._settings)
 
+    async def reconnect(self) -> None:
+        """The page's socket back after it broke (its server went away): a new socket with
+        the same session id and no chat id, as Chainlit's page reconnects."""
+        await self.close()
+        self.sio = socketio.AsyncClient(reconnection=False)
+        self.sio.on("*", self._record)
+        await self._open(self._token or await self.login(), True, "")
+
     async def _open(self, token: str, wait_chat_start: bool, resume: str) -> None:
         since = len(self.events)
+        cookies = "; ".join(f"{k}={v}" for k, v in {**self.cookies, "access_token": token}.items())
         await self.sio.connect(
             self.base_url, socketio_path="/ws/socket.io", transports=["websocket"],
-            headers={"Cookie": f"access_token={token}"},
+            headers={"Cookie": cookies},
             wait_timeout=30,  # the default 1 s is too short for many sessions at once
             auth={"sessionId": self.session_id, "clientType": "webapp", "userEnv": "{}",
                   "chatProfile": self.profile, "threadId": resume})
