@@ -299,7 +299,7 @@ async def settings_update(values: dict) -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     """Check the message, answer it; whatever goes wrong, the user gets a plain message."""
-    arrived = GUARD.arrival(cl.context.session.id)  # taken whatever happens to the message
+    arrival = GUARD.arrival(cl.context.session.id)  # taken whatever happens to the message
     conv: Conversation = cl.user_session.get("conversation")
     if SHUTDOWN.closing:
         TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
@@ -317,7 +317,7 @@ async def on_message(message: cl.Message) -> None:
         await cl.Message(content=str(exc)).send()
         return
     await TURNS.take(conv, Message("user", checked.text), message.id, checked.notice,
-                     arrived=arrived)
+                     arrival=arrival)
 
 
 @cl.action_callback(REGENERATE)

@@ -38,6 +38,7 @@ from socketio import exceptions as socketio_errors
 from starlette.responses import JSONResponse
 
 from chat.logins import Logins, end_session
+from service.turn_metrics import Arrival
 from store.data_layer import ChatDataLayer
 from store.rows import is_uuid
 
@@ -97,7 +98,7 @@ class Guard:
         self.quota = quota
         # When each session's last message reached the server, until its turn takes it
         # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
-        self._arrived: dict[str, float] = {}
+        self._arrived: dict[str, Arrival] = {}
         self.router = APIRouter()
         route = self.router.add_api_route
         route("/project/action", self.action, methods=["POST"])
@@ -157,13 +158,17 @@ class Guard:
             return
         if not await self._may_take_turn(session):
             return
-        self._arrived[session.id] = arrived
+        self._arrived[session.id] = Arrival(arrived, checked=time.monotonic())
         return await self._message(sid, checked)
 
-    def arrival(self, session_id: str) -> float | None:
-        """When the message now being answered in this session reached the server
-        (time.monotonic); None for one that did not come through the socket."""
-        return self._arrived.pop(session_id, None)
+    def arrival(self, session_id: str) -> Arrival | None:
+        """When the message now being answered in this session reached the server and
+        passed the checks here, with now as when the app's handler got it (called there);
+        None for one that did not come through the socket."""
+        arrival = self._arrived.pop(session_id, None)
+        if arrival is not None:
+            arrival.handled = time.monotonic()
+        return arrival
 
     async def edit(self, sid, payload=None):
         session = await self._live_session(sid)

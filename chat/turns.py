@@ -24,7 +24,7 @@ from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SA
 from engine import ChatError, Engines, Message, Prompt
 from service.shutdown import Shutdown
 from service.turn import Turn
-from service.turn_metrics import TurnMetrics
+from service.turn_metrics import Arrival, TurnMetrics
 from store.data_layer import ChatDataLayer
 from store.usage import Usage
 
@@ -82,14 +82,14 @@ class Turns:
         self._tasks: set[asyncio.Task] = set()  # regenerated answers, referenced till done
 
     async def take(self, conv: Conversation, user: Message, message_id: str,
-                   notice: str | None = None, arrived: float | None = None) -> None:
+                   notice: str | None = None, arrival: Arrival | None = None) -> None:
         """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
-        Counted and logged once, however it ends (service/turn.py). `arrived`: when the
-        message reached the server (time.monotonic), for the turn's first token as the app
-        sends it."""
+        Counted and logged once, however it ends (service/turn.py). `arrival`: when the
+        message reached the server and passed each step before its turn (time.monotonic),
+        for the turn's first token as the app sends it."""
         account = user_name()
         turn = Turn(self.engines, self.metrics, conv.profile.name, user=account,
-                    message=user.content, arrived=arrived, ignore_eos=self.ignore_eos,
+                    message=user.content, arrival=arrival, ignore_eos=self.ignore_eos,
                     usage=self.usage, account=account, thread_id=cl.context.session.thread_id)
         ended = None
         try:

@@ -28,7 +28,7 @@ from engine import ChatError, Engines, Message, Prompt, TurnStats
 
 from store.usage import Spent, Usage
 
-from .turn_metrics import TurnMetrics, TurnRecord
+from .turn_metrics import Arrival, TurnMetrics, TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Turn:
     """Begun when made: counted `started`, and ended once by `end`."""
 
     def __init__(self, engines: Engines, metrics: TurnMetrics, profile: str, *,
-                 user: str | None, message: str, arrived: float | None = None,
+                 user: str | None, message: str, arrival: Arrival | None = None,
                  ignore_eos: bool = False, usage: Usage | None = None, source: str = "chat",
                  account: str | None = None, thread_id: str | None = None,
                  session: str | None = None):
@@ -67,7 +67,7 @@ class Turn:
         self.session = session or thread_id
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
-        self.record.arrived = arrived  # when the message reached the server (monotonic)
+        self.record.arrival = arrival  # when the message reached the server, and its way
         self.record.turn_began()
         self.prompt: Prompt | None = None  # once fitted
         self.stats: TurnStats | None = None  # the engine's, once it finished the reply

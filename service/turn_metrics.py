@@ -27,6 +27,17 @@ turn_log = logging.getLogger("vchat.turns")
 
 
 @dataclass
+class Arrival:
+    """A chat message on its way to its turn (time.monotonic()): it reached the socket
+    handler `at`, passed the guard's login and quota checks (`checked`), and Chainlit
+    handed it to the app's on_message (`handled`: after its task_start, message step and
+    "run" step)."""
+    at: float
+    checked: float | None = None
+    handled: float | None = None
+
+
+@dataclass
 class TurnRecord:
     """What one turn's log line says (message text only where the operator asked)."""
     outcome: str  # finished, stopped, failed, refused
@@ -43,15 +54,22 @@ class TurnRecord:
     ttft_legs_ms: str | None = None  # ttft_ms's legs in the engine, "leg:ms,..." (stats.py)
     to_turn_ms: float | None = None  # app_ttft_ms's first part: the message's arrival to its
     # turn's start (the socket's handler, the login's check, Chainlit's own handling)
+    to_turn_legs_ms: str | None = None  # to_turn_ms's legs, "checks:ms,chainlit:ms,app:ms"
     tokens_per_s: float | None = None
     finish_reason: str | None = None
     reason: str | None = None  # why it was refused
     message: str | None = None
     reply: str | None = None
-    arrived: float | None = None  # time.monotonic() of the message's arrival; not logged
+    arrival: Arrival | None = None  # the message's way to its turn; not logged
 
     def turn_began(self) -> None:
         self.to_turn_ms = self._since_arrival()
+        a = self.arrival
+        if a is not None and a.checked is not None and a.handled is not None:
+            marks = (a.at, a.checked, a.handled, time.monotonic())
+            self.to_turn_legs_ms = ",".join(
+                f"{leg}:{(end - start) * 1000:.1f}" for leg, start, end in
+                zip(("checks", "chainlit", "app"), marks, marks[1:]))
 
     def first_token_sent(self) -> None:
         if self.app_ttft_ms is None:
@@ -59,12 +77,12 @@ class TurnRecord:
 
     def _since_arrival(self) -> float | None:
         """Milliseconds since the message arrived (None: it did not come by the socket)."""
-        if self.arrived is None:
+        if self.arrival is None:
             return None
-        return round((time.monotonic() - self.arrived) * 1000, 1)
+        return round((time.monotonic() - self.arrival.at) * 1000, 1)
 
     def fields(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "arrived"}
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "arrival"}
 
     def line(self) -> str:
         return "turn " + " ".join(f"{k}={v!r}" if isinstance(v, str) and " " in v else f"{k}={v}"

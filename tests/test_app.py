@@ -111,9 +111,12 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
     mine = [t for t in turns if t.get("outcome") == "finished"][-1]
     assert mine["profile"] == "Latency-first" and mine["preset"] == "latency-first"
     assert mine["user"] and mine["request_id"] and mine["output_tokens"] >= 1
-    assert mine["app_ttft_ms"] >= mine["ttft_ms"] > 0 and "arrived" not in mine
-    # ... and split: the app's part before its turn began, the engine's by leg.
+    assert mine["app_ttft_ms"] >= mine["ttft_ms"] > 0 and "arrival" not in mine
+    # ... and split: the app's part before its turn began (by leg), the engine's by leg.
     assert 0 <= mine["to_turn_ms"] <= mine["app_ttft_ms"] - mine["ttft_ms"] + 1
+    waits = dict(leg.split(":") for leg in mine["to_turn_legs_ms"].split(","))
+    assert list(waits) == ["checks", "chainlit", "app"]
+    assert abs(sum(map(float, waits.values())) - mine["to_turn_ms"]) < 1
     legs = dict(leg.split(":") for leg in mine["ttft_legs_ms"].split(","))
     assert list(legs) == ["to_engine", "queued", "prefill", "back"]
     assert abs(sum(map(float, legs.values())) - mine["ttft_ms"]) < 1

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
+from service.turn_metrics import Arrival, JsonLines, TurnMetrics, TurnRecord
 from engine import TurnStats
 from engine.metrics import PresetSeries
 
@@ -87,9 +87,14 @@ def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
     registry = CollectorRegistry()
     turns = TurnMetrics(registry)
     record = TurnRecord("finished", "ann", "Latency-first")
-    record.arrived = time.monotonic() - 0.2  # came in 200 ms ago
+    now = time.monotonic()  # came in 200 ms ago, checked 150 ms ago, handled 100 ms ago
+    record.arrival = Arrival(now - 0.2, checked=now - 0.15, handled=now - 0.1)
     record.first_token_sent()
     record.turn_began()
+    legs = {k: float(v) for k, v in (leg.split(":") for leg in
+                                     record.to_turn_legs_ms.split(","))}
+    assert list(legs) == ["checks", "chainlit", "app"]
+    assert legs["checks"] == legs["chainlit"] == 50.0 and 100 <= legs["app"] < 10_000
     first = record.app_ttft_ms
     assert 200 <= record.to_turn_ms < 10_000  # the arrival to the turn's start: its part
     record.first_token_sent()  # later tokens leave it as it was
@@ -104,8 +109,9 @@ def test_a_turns_first_token_is_also_timed_from_its_messages_arrival(caplog):
                   (("profile", "Latency-first"),))] == first / 1000
     line = json.loads(JsonLines().format(
         next(r for r in caplog.records if r.name == "vchat.turns")))
-    assert line["app_ttft_ms"] == first and line["ttft_ms"] == 50.0 and "arrived" not in line
+    assert line["app_ttft_ms"] == first and line["ttft_ms"] == 50.0 and "arrival" not in line
     assert line["to_turn_ms"] == record.to_turn_ms
+    assert line["to_turn_legs_ms"] == record.to_turn_legs_ms
     unsent = TurnRecord("finished", "bob", "Latency-first")  # no arrival: an edit, the API
     unsent.turn_began()
     unsent.first_token_sent()
