@@ -201,10 +201,15 @@ class ChatDataLayer(BaseDataLayer):
         """The stored chat that socket session `session_id` last wrote to, if it is
         `identifier`'s: a page whose replica went away reconnects to another one with
         its session id and no chat id (Chainlit's page sends the chat's id only for a chat
-        it reopened), and this finds its chat again."""
-        rows = await self.execute_sql(q.THREAD_OF_SESSION, {"session": session_id,
-                                                            "identifier": identifier})
-        return rows[0]["id"] if rows else None
+        it reopened), and this finds its chat again. Asked at every new chat's start: on
+        the reading connection, not in the line of the chats' writes."""
+        try:
+            rows = await self.reader.rows(text(q.THREAD_OF_SESSION),
+                                          {"session": session_id, "identifier": identifier})
+        except Exception as exc:  # the database away: said as the writes' failures are
+            raise StoreError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") \
+                from exc
+        return rows[0].id if rows else None
 
     async def take_over(self, thread_id: str, session_id: str) -> None:
         """Socket session `session_id` now holds the chat (a reopened or taken-over one)."""
