@@ -124,6 +124,19 @@ async def test_a_chat_through_the_proxy_is_there_on_either_replica_and_not_for_o
     assert await threads(None, bob) == []
     async with bob.api() as http:
         assert (await http.get(f"/project/thread/{chat_id}")).status_code in (401, 404)
+    # Another user sending alice's socket session id (as a reconnecting page would) gets
+    # a chat of his own: hers is found by session id only for her.
+    add_user(site.replicas[1], "mallory", "mallory's password")
+    mallory = client(site, 1, user="mallory")
+    mallory.session_id = alice.session_id
+    await mallory.connect()
+    assert (await mallory.send("What did I say before?")).shown
+    await mallory.close()
+    assert f"chat {chat_id} taken over" not in site.replicas[1].log()
+    [own] = await threads(None, mallory)
+    assert own["id"] != chat_id
+    assert [s["output"] for s in await thread_steps(mallory, own["id"])
+            if s["type"] == "user_message"] == ["What did I say before?"]
 
 
 async def test_each_chat_stays_on_one_model_server_which_caches_its_history(site):
