@@ -67,6 +67,8 @@ for _client_log in ("httpx", "httpx2"):
 
 try:
     check_all()  # every environment variable the app reads, before anything starts
+    # The server's loop and asyncio's C tasks, before Chainlit starts it (service/loop.py).
+    loop.own_loop(setting("VCHAT_EVENT_LOOP"))
     CONFIG = load_config()
     ENGINES = Engines(CONFIG)
     # Benchmarks only: every reply runs to max_tokens, so runs compare equal work.
@@ -193,7 +195,8 @@ async def settle_after_start() -> None:
     frozen, took = loop.timed(loop.freeze_heap)  # a full collection: all sessions wait
     log.info("streaming pace: %d updates/s in all before replies slow down; Chainlit's "
              "constructor pause skipped: %s; %d long-lived objects out of garbage collection"
-             " (%.2f s)", PACE.events_per_s, stalls.constructor_pause_skipped(), frozen, took)
+             " (%.2f s); event loop: %s", PACE.events_per_s, stalls.constructor_pause_skipped(),
+             frozen, took, loop.running_loop())
 
 
 @cl.on_app_shutdown

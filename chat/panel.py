@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import chainlit as cl
 from chainlit.input_widget import Slider, Switch, TextInput
 
@@ -12,15 +10,30 @@ from engine.config import Config
 from engine.limits import bounds
 
 
-def profile_menu(config: Config):
-    """Chainlit's `set_chat_profiles` hook for `config`'s profiles. It answers a finished
-    future: Chainlit runs a coroutine here nested in the event loop once per connecting
-    session, and a few dozen connects at once ended in RecursionError
-    (test_app.py::test_many_sessions_connect_at_once)."""
+class Answered:
+    """An awaitable that is already answered, and is neither a coroutine nor a future."""
 
-    def chat_profiles(current_user=None, language=None) -> asyncio.Future:
-        done = asyncio.get_running_loop().create_future()
-        done.set_result([
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # a generator: awaiting it returns at once
+
+
+def profile_menu(config: Config):
+    """Chainlit's `set_chat_profiles` hook for `config`'s profiles. Chainlit also calls it
+    for every connecting session inside `loop.run_until_complete`, on the loop that is
+    already running. Under Chainlit's nest_asyncio that ran nested, and a few dozen
+    connects at once ended in RecursionError (test_app.py::test_many_sessions_connect_at_once);
+    on the loops the app runs (service/loop.py) it is refused, and Chainlit goes on with
+    its global config. What it is given matters there: a coroutine would be left unawaited
+    (a warning per connect), and a finished future would make uvloop stop the server's
+    loop (it schedules the future's done callback, which stops the loop, before it refuses).
+    So: an awaitable already answered."""
+
+    def chat_profiles(current_user=None, language=None) -> Answered:
+        return Answered([
             cl.ChatProfile(
                 name=p.name, markdown_description=p.description, icon=p.icon or None,
                 default=p is config.default_profile,
@@ -28,7 +41,6 @@ def profile_menu(config: Config):
             )
             for p in config.profiles
         ])
-        return done
 
     return chat_profiles
 

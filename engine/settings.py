@@ -135,6 +135,10 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_GC_YOUNG_OBJECTS", whole(1), "50000",
             "new objects between Python's young garbage collections (Python's own: 700): "
             "fewer short-lived objects reach the full collections, which stop every session"),
+    Setting("VCHAT_EVENT_LOOP", one_of("asyncio", "uvloop"), "asyncio",
+            "the server's event loop: Python's asyncio or uvloop (slower on the H200 here, "
+            "BENCHMARKS.md); either with asyncio's C tasks, not the Python ones Chainlit's "
+            "nest_asyncio puts there"),
     Setting("VCHAT_SHUTDOWN_GRACE_S", number(0), "10",
             "on SIGTERM/Ctrl+C, how long replies being written may still take"),
     Setting("VCHAT_LOG_FORMAT", one_of("text", "json"), "text",

@@ -16,6 +16,15 @@ user at once:
    between young collections (VCHAT_GC_YOUNG_OBJECTS), so that such objects are freed
    before one sees them (BENCHMARKS.md, "Both profiles at once").
 
+3. Chainlit's command line calls nest_asyncio.apply() when it is imported (to let a
+   running loop be entered again), which swaps asyncio's Task and Future for their
+   pure-Python versions: every await of every session then runs through Python code.
+   `own_loop()`, called when app.py is imported (Chainlit imports it, then starts its
+   server with asyncio.run), puts the C versions back: on the H200 at 256 chat streams the
+   app gave 1.07x the tokens/s with a first token 0.73x as long (4 neighbouring pairs;
+   BENCHMARKS.md, issue 31). VCHAT_EVENT_LOOP=uvloop runs uvloop's loop instead, which
+   measured slower there (0.77x the tokens/s, 3 pairs).
+
 What is left shows: `LoopLag` sets a timer now and then and measures how late the loop
 runs it (`vchat_event_loop_lag_seconds`), so a slow first token can be told apart from a
 slow engine, and `GcPauses` times each collection (`vchat_gc_pause_seconds` by
@@ -25,9 +34,51 @@ generation): a stall no sampler of stacks can see, since the walk holds the inte
 from __future__ import annotations
 
 import asyncio
+import asyncio.futures
+import asyncio.tasks
 import gc
+import sys
 import time
 from collections.abc import Callable
+
+LOOPS = ("uvloop", "asyncio")
+
+
+def own_loop(kind: str) -> str:
+    """Before the server's loop starts: asyncio's C Task and Future in place of the
+    pure-Python ones nest_asyncio put there, asyncio.run as Python has it (nest_asyncio's
+    runs a loop patched to be entered again), and the loop `kind` makes ("uvloop" where it
+    is installed, else asyncio's). Returns the kind the server will run on.
+
+    Chainlit enters its running loop again in one place: a session's config, to read a
+    chat profile's config_overrides (the app's profiles have none). On either loop that
+    now fails at once (a running loop is not entered again) and Chainlit falls back to its
+    global config, as it does for any failure there; chat/panel.py's profile list is a
+    finished future, so nothing is left unawaited."""
+    import _asyncio
+    import asyncio.runners
+
+    asyncio.Task = asyncio.tasks.Task = asyncio.tasks._CTask = _asyncio.Task
+    asyncio.Future = asyncio.futures.Future = asyncio.futures._CFuture = _asyncio.Future
+    asyncio.run = asyncio.runners.run
+    if kind != "uvloop":
+        return "asyncio"
+    if "uvloop" in sys.modules:  # it took asyncio's Task when imported: perhaps Python's
+        raise RuntimeError("own_loop() must run before uvloop is imported")
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+def running_loop() -> str:
+    """What the running loop and its tasks are, for the log: "uvloop, C tasks"."""
+    loop = asyncio.get_running_loop()
+    tasks = "C" if type(asyncio.current_task()).__module__ == "_asyncio" else "Python"
+    return f"{'uvloop' if type(loop).__module__.startswith('uvloop') else 'asyncio'}, " \
+           f"{tasks} tasks"
 
 
 def freeze_heap() -> int:

@@ -3,6 +3,8 @@
 
 import asyncio
 import gc
+import subprocess
+import sys
 import time
 import weakref
 from datetime import datetime
@@ -15,6 +17,7 @@ from chainlit.step import Step
 
 from chat import stalls
 from service import clock, loop
+from tools.chainlit_client import ROOT
 
 
 @pytest.fixture
@@ -160,3 +163,31 @@ def test_the_stack_sampler_counts_where_the_main_thread_is_and_writes_collapsed_
     spinning = sum(n for stack, n in counts.items() if "spin_for_the_sampler" in stack)
     assert spinning >= 0.8 * sum(counts.values()) > 0
     assert all(";" in stack for stack in counts)  # whole stacks, outermost first
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_the_server_loop_runs_c_tasks_not_the_python_ones_chainlit_puts_in(kind):
+    """Chainlit's command line applies nest_asyncio when imported (pure-Python Task and
+    Future, a patched asyncio.run); own_loop, run as app.py runs it, undoes that and picks
+    the loop. Then Chainlit's one re-entry of the running loop (a session's config, given
+    the profile list's awaitable) is refused without stopping the loop."""
+    script = f"""
+import asyncio, chainlit.cli
+assert asyncio.Task.__module__ == "asyncio.tasks", "nest_asyncio's Python tasks"
+from service import loop
+from chat.panel import Answered
+print(loop.own_loop({kind!r}))
+async def main():
+    try:
+        asyncio.get_event_loop().run_until_complete(Answered([1]))
+    except RuntimeError:
+        pass
+    await asyncio.sleep(0.05)  # the loop is still running: nothing stopped it
+    assert await Answered([2]) == [2]
+    print(loop.running_loop())
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == [kind, f"{kind}, C tasks"], out.stdout

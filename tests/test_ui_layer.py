@@ -41,16 +41,19 @@ async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server
     pace, Chainlit's blocking constructor pause skipped, the long-lived heap out of the
     collector's walks."""
     pattern = re.compile(r"streaming pace: (\d+) updates/s .* constructor pause skipped: "
-                         r"(\w+); (\d+) long-lived objects")
+                         r"(\w+); (\d+) long-lived objects .*; event loop: (.*)")
     for _ in range(100):  # it runs right after the engines are up
         if found := pattern.search(server.log_path.read_text(errors="replace")):
             break
         await asyncio.sleep(0.1)
     assert found, server.log()[-2000:]
-    pace, skipped, frozen = found.groups()
+    pace, skipped, frozen, event_loop = found.groups()
     assert int(pace) == (2000 if has_cuda() else 160)
     assert skipped == "True"
     assert int(frozen) > 10_000
+    # asyncio's C tasks rather than nest_asyncio's Python ones (service/loop.py); the chat
+    # above connected and streamed on it.
+    assert event_loop == "asyncio, C tasks"
 
 
 async def test_a_fast_stream_is_coalesced_into_few_events_and_loses_nothing(server):
