@@ -252,7 +252,8 @@ class Engines:
         """Overall verdict plus, per preset: healthy, requests in flight, peak batch. A
         remote server out of reach makes the status "unreachable", naming its presets."""
         engines, restarting = {}, self.restarting
-        for name, engine in self.engines.items():
+        # A copy: engines start (remote ones at once) while a check awaits.
+        for name, engine in list(self.engines.items()):
             healthy = await engine.check_health()
             remote = engine.remote
             engines[name] = {

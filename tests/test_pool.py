@@ -36,6 +36,30 @@ async def test_shutdown_during_a_restart_leaves_no_engine_running(config):
     assert engines.state == "stopped"
 
 
+async def test_health_while_another_engine_joins_reads_those_there_when_asked(config):
+    """Regression (seen in CI, the deployment test): /ready's health check awaits each
+    engine's check while remote presets' engines join the pool, and the iteration over
+    the pool broke ("dictionary changed size during iteration", a trace for /ready).
+    With the labelled STAND-IN engine (no model)."""
+    engines = Engines(config, engine_class=functools.partial(StandInEngine, tokens_per_s=100))
+    await engines.start()
+    try:
+        (name,) = engines.engines
+        engine = engines.engines[name]
+        checked = engine.check_health
+
+        async def joined_meanwhile():
+            engines.engines["another"] = engine  # as a remote preset's engine joins
+            return await checked()
+
+        engine.check_health = joined_meanwhile
+        health = await engines.health()
+        assert list(health["engines"]) == [name]
+    finally:
+        engines.engines.pop("another", None)
+        engines.shutdown()
+
+
 def engine_cores() -> set[int]:
     return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)
             if p.name() == "VLLM::EngineCore"}
