@@ -23,13 +23,13 @@ import statistics
 import time
 from pathlib import Path
 
-import tools.chainlit_client as chainlit_client
 from bench.cli import whole_number
 from bench.paths import run_app
 from bench.run import ENV_AT_START, single_preset_profiles
 from bench.workloads import chat
 from engine import load_config
 from engine.launch import Machine
+from tools.chainlit_client import ROOT, Server
 
 PRESET = "throughput-first"
 
@@ -41,20 +41,15 @@ def variant(text: str) -> dict:
     return {"name": name, "env": pairs, "dir": where or None}
 
 
-def start(v: dict, profiles: Path) -> chainlit_client.Server:
+def start(v: dict, profiles: Path) -> Server:
     env = {"VCHAT_PROFILES": str(profiles), "VCHAT_BENCH_IGNORE_EOS": "1",
            "VCHAT_MAX_MODEL_LEN": "-1" if Machine.here().gpu else "2048", **v["env"]}
     base = dict(ENV_AT_START)
     if v["dir"]:  # the other checkout's modules first
         base["PYTHONPATH"] = os.pathsep.join(
             [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and
-             Path(p).resolve() != chainlit_client.ROOT.resolve()] + [v["dir"]])
-    root = chainlit_client.ROOT
-    chainlit_client.ROOT = Path(v["dir"]) if v["dir"] else root
-    try:
-        return chainlit_client.Server(env, base_env=base)
-    finally:
-        chainlit_client.ROOT = root
+             Path(p).resolve() != ROOT] + [v["dir"]])
+    return Server(env, base_env=base, root=Path(v["dir"]) if v["dir"] else ROOT)
 
 
 async def main(args) -> dict:

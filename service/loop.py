@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.futures
+import asyncio.runners
 import asyncio.tasks
 import gc
 import sys
 import time
 from collections.abc import Callable
-
-LOOPS = ("uvloop", "asyncio")
-
 
 def own_loop(kind: str) -> str:
     """Before the server's loop starts: asyncio's C Task and Future in place of the
@@ -53,10 +51,9 @@ def own_loop(kind: str) -> str:
     Chainlit enters its running loop again in one place: a session's config, to read a
     chat profile's config_overrides (the app's profiles have none). On either loop that
     now fails at once (a running loop is not entered again) and Chainlit falls back to its
-    global config, as it does for any failure there; chat/panel.py's profile list is a
-    finished future, so nothing is left unawaited."""
+    global config, as it does for any failure there; chat/panel.py's profile list is an
+    awaitable already answered, so nothing is left unawaited or stops the loop."""
     import _asyncio
-    import asyncio.runners
 
     asyncio.Task = asyncio.tasks.Task = asyncio.tasks._CTask = _asyncio.Task
     asyncio.Future = asyncio.futures.Future = asyncio.futures._CFuture = _asyncio.Future

@@ -54,6 +54,11 @@ SEARCH_CHARS = 200  # a sidebar search's words beyond this are not used
 SESSION_KEY = "session"  # a login's session id in the user's token (chat/logins.py): not stored
 
 
+def failure_text(exc: Exception) -> str:
+    """A failed statement's error, short enough for a log line and a StoreError."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+
+
 class StoreError(RuntimeError):
     """A write or read the database refused."""
 
@@ -99,8 +104,7 @@ class ChatDataLayer(BaseDataLayer):
                 rows = [dict(r._mapping) for r in result.fetchall()] if result.returns_rows \
                     else None
         except Exception as exc:
-            self._fail(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-                       statements[0].split()[0])
+            self._fail(failure_text(exc), statements[0].split()[0])
             raise StoreError(self.last_failure) from exc
         return result.rowcount if rows is None else [rows_.decoded(r) for r in rows]
 
@@ -207,8 +211,7 @@ class ChatDataLayer(BaseDataLayer):
             rows = await self.reader.rows(text(q.THREAD_OF_SESSION),
                                           {"session": session_id, "identifier": identifier})
         except Exception as exc:  # the database away: said as the writes' failures are
-            raise StoreError(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}") \
-                from exc
+            raise StoreError(failure_text(exc)) from exc
         return rows[0].id if rows else None
 
     async def take_over(self, thread_id: str, session_id: str) -> None:

@@ -309,13 +309,14 @@ def side_by_side(*runs: tuple[list[str], Mapping[str, str]], timeout: float = 12
 
 class Server:
     """`chainlit run app.py` in its own process group, as a user would start it (`app`:
-    another Chainlit app file, relative to the repository root)."""
+    another Chainlit app file, relative to the repository root; `root`: the checkout it
+    runs from, this one unless a benchmark compares another)."""
 
     def __init__(self, extra_env: dict | None = None, base_env: dict | None = None,
-                 app: str = "app.py", port: int | None = None):
+                 app: str = "app.py", port: int | None = None, root: Path = ROOT):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = ROOT / ".cache" / f"server-{self.port}.log"
+        self.log_path = root / ".cache" / f"server-{self.port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
         base = os.environ if base_env is None else base_env
         env = {**TEST_ENV, **base, **(extra_env or {})}  # the environment's own values win
@@ -326,7 +327,7 @@ class Server:
         self.env = env
         self.proc = subprocess.Popen(
             chainlit_command() + ["run", app, "--headless", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+            cwd=root, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
 
     async def wait_http(self, timeout: float = 120.0) -> None:
