@@ -25,6 +25,7 @@ from api.ops import Ops
 from chat import emits, forget, stalls
 from chat.downloads import Downloads
 from chat.guard import Guard
+from chat.invites import InvitePage
 from chat.logins import Logins, slow_failing_addresses
 from chat.page import serve_own_origin_only
 from chat.panel import profile_menu, settings_panel
@@ -42,6 +43,7 @@ from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
 from store.accounts import Accounts, AddressThrottle
 from store.api_keys import ApiKeys
 from store.data_layer import ChatDataLayer, StoreError
+from store.invites import Invites
 from store.schema import database_url, migrate
 from store.sessions import LoginSessions
 from store.setup import auth_secret, data_dir, first_admin
@@ -119,6 +121,9 @@ try:
     http.include_router(OPS.router)
     # GET /export/chats[/ID]: a user's own chats as Markdown or JSON (chat/downloads.py).
     http.include_router(Downloads(STORE.engine).router)
+    # GET/POST /invite/TOKEN: a demo's invite link, a guest's name, its chat (chat/invites.py).
+    http.include_router(InvitePage(Invites(STORE.engine), LOGINS.open,
+                                   chainlit_config.ui.name).router)
     TURN_METRICS = TurnMetrics(OPS.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
     # How late the event loop that every session shares runs what is due, how long the
     # collector stops it (service/loop.py), and what stays of chats in memory.

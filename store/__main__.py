@@ -13,6 +13,13 @@
     .venv/bin/python -m store keys add NAME [--label L] a new API key for NAME, shown once
     .venv/bin/python -m store keys list [NAME]
     .venv/bin/python -m store keys revoke ID
+    .venv/bin/python -m store invites add --uses N --expires 2h
+                                                       an invite link for a demo: up to N
+                                                       people chat as guests until it
+                                                       expires (s, m, h or d); shown once
+    .venv/bin/python -m store invites list
+    .venv/bin/python -m store invites revoke ID        refused from now on; its guests'
+                                                       sessions end
     .venv/bin/python -m store usage [--since DATE] [--until DATE] [--json]
                                                        turns, tokens, stopped replies and
                                                        thumbs per user and profile
@@ -34,7 +41,9 @@ import argparse
 import asyncio
 import getpass
 import json
+import os
 import sys
+import time
 from dataclasses import asdict
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -42,6 +51,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from store import export
 from store.accounts import AccountError, Accounts
 from store.api_keys import ApiKeys
+from store.invites import Invites, parse_duration
 from store.schema import connect, database_url, migrate
 from store.setup import data_dir
 from store.usage import Usage, UsageLine, parse_day, parse_quota
@@ -56,6 +66,8 @@ async def run(args) -> str:
                     else f"schema brought from version {before} to {after}")
         if args.command == "keys":
             return await keys_command(ApiKeys(engine), args)
+        if args.command == "invites":
+            return await invites_command(Invites(engine), args)
         if args.command == "usage":
             return usage_table(await Usage(engine).report(
                 parse_day(args.since, "--since"), parse_day(args.until, "--until")), args.json)
@@ -111,6 +123,23 @@ async def keys_command(keys: ApiKeys, args) -> str:
                          for k in rows) or "no API keys"
     await keys.revoke(args.id)
     return f"revoked {args.id}"
+
+
+async def invites_command(invites: Invites, args) -> str:
+    if args.action == "add":
+        invite, token = await invites.add(args.uses, parse_duration(args.expires))
+        site = (os.environ.get("CHAINLIT_URL") or "http://localhost:8000").rstrip("/")
+        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(invite.expires_at))
+        return (f"invite {invite.id}: {invite.uses} use(s) until {until} (the link is shown "
+                f"only now; CHAINLIT_URL sets its address):\n{site}/invite/{token}")
+    if args.action == "list":
+        now = time.time()
+        return "\n".join(
+            f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\tuntil "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(i.expires_at))}\t{i.created_at}"
+            for i in await invites.list()) or "no invites"
+    ended = await invites.revoke(args.id)
+    return f"revoked invite {args.id}; {ended} guest session(s) ended"
 
 
 def usage_table(lines: list[UsageLine], as_json: bool) -> str:
@@ -175,6 +204,12 @@ def main(argv: list[str]) -> int:
     make.add_argument("--label", help="what the key is for")
     keys.add_parser("list").add_argument("name", nargs="?")
     keys.add_parser("revoke").add_argument("id")
+    invites = sub.add_parser("invites").add_subparsers(dest="action", required=True)
+    invite = invites.add_parser("add")
+    invite.add_argument("--uses", type=int, required=True, help="how many people may join")
+    invite.add_argument("--expires", required=True, help="e.g. 90m, 2h, 7d")
+    invites.add_parser("list")
+    invites.add_parser("revoke").add_argument("id")
     args = parser.parse_args(argv)
     try:
         print(asyncio.run(run(args)))

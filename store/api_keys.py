@@ -42,10 +42,13 @@ class ApiKeys:
         key = f"{PREFIX}-{key_id}-{secret}"
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         async with self.engine.begin() as conn:
-            known = (await conn.execute(text(
-                'SELECT 1 FROM accounts WHERE "identifier" = :i'), {"i": identifier})).first()
-            if known is None:
+            kind = (await conn.execute(text(
+                'SELECT "kind" FROM accounts WHERE "identifier" = :i'),
+                {"i": identifier})).scalar_one_or_none()
+            if kind is None:
                 raise AccountError(f"no user {identifier!r}")
+            if kind == "guest":  # a demo's guest (store/invites.py) chats on the page only
+                raise AccountError(f"{identifier!r} is a guest: guests get no API key")
             await conn.execute(text(
                 'INSERT INTO api_keys ("id", "keyHash", "identifier", "label", "createdAt") '
                 "VALUES (:id, :h, :i, :l, :c)"),
@@ -73,5 +76,6 @@ class ApiKeys:
             return None
         async with self.engine.connect() as conn:
             return (await conn.execute(text(
-                'SELECT "identifier" FROM api_keys WHERE "keyHash" = :h'),
+                'SELECT k."identifier" FROM api_keys k JOIN accounts a ON a."identifier" = '
+                'k."identifier" WHERE k."keyHash" = :h AND a."kind" <> \'guest\''),
                 {"h": _digest(key)})).scalar_one_or_none()

@@ -182,6 +182,16 @@ def migrations(postgres: bool) -> list[list[str]]:
             "lastFailedAt" DOUBLE PRECISION NOT NULL)""",
          'ALTER TABLE threads ADD COLUMN "sessionId" TEXT',
          'CREATE INDEX threads_by_session ON threads ("sessionId")'],
+        # 6: invite links for demo sessions (store/invites.py), and guest accounts: the
+        # invite each came through and the name it chose ("kind" = 'guest').
+        ['''CREATE TABLE invites (
+            "id" TEXT PRIMARY KEY, "tokenHash" TEXT NOT NULL UNIQUE,
+            "uses" INTEGER NOT NULL, "used" INTEGER NOT NULL,
+            "expiresAt" DOUBLE PRECISION NOT NULL, "profile" TEXT, "createdAt" TEXT NOT NULL,
+            "revokedAt" DOUBLE PRECISION)''',
+         'ALTER TABLE accounts ADD COLUMN "invite" TEXT',
+         'ALTER TABLE accounts ADD COLUMN "displayName" TEXT',
+         'CREATE INDEX accounts_by_invite ON accounts ("invite")'],
     ]
 
 

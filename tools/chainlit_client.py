@@ -116,6 +116,11 @@ class ChatClient:
         token = self._token = await self.login()
         await self._open(token, wait_chat_start, resume)
 
+    async def connect_with(self, token: str) -> None:
+        """Open a session with a token got elsewhere (a guest's, from an invite link)."""
+        self._token = token
+        await self._open(token, True, "")
+
     async def new_chat(self) -> None:
         """A new chat, as a browser's "New chat" button opens one: the old session is
         cleared at once (Chainlit keeps a closed one for `session_timeout`, for a
