@@ -25,7 +25,7 @@ from api.ops import Ops
 from chat import emits, forget, stalls
 from chat.downloads import Downloads
 from chat.guard import Guard
-from chat.invites import InvitePage
+from chat.invites import InvitePage, OpenDemo
 from chat.logins import Logins, slow_failing_addresses
 from chat.page import serve_own_origin_only
 from chat.panel import profile_menu, settings_panel
@@ -43,6 +43,7 @@ from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
 from store.accounts import Accounts, AddressThrottle
 from store.api_keys import ApiKeys
 from store.data_layer import ChatDataLayer, StoreError
+from store.guests import Guests, invited_profile
 from store.invites import Invites
 from store.schema import database_url, migrate
 from store.sessions import LoginSessions
@@ -112,18 +113,31 @@ try:
                           "nobody can log in")
     if HEADER_LOGIN:
         HEADER_LOGIN.install(http)
+    # A demo's guests (store/invites.py, store/guests.py): their chats capped, and gone
+    # after the retention.
+    GUESTS = Guests(STORE.engine, setting("VCHAT_GUEST_CHATS"),
+                    setting("VCHAT_GUEST_RETENTION_DAYS"))
     GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing,
-                  quota=USAGE.refusal)
+                  quota=USAGE.refusal, new_chat=GUESTS.new_chat_refusal)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
+    # VCHAT_DEMO=open: anyone who opens the page chats as a guest (chat/invites.py), and
+    # every page's banner says it is a demo.
+    DEMO = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY")) \
+        if setting("VCHAT_DEMO") == "open" else None
     # GET /ready, /notice and /metrics (api/ops.py), the app's series by profile in it.
-    OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice)
+    OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice if DEMO is None else (
+        lambda status: page_notice(status) or DEMO.banner(GUESTS.retention_days)))
     http.include_router(OPS.router)
     # GET /export/chats[/ID]: a user's own chats as Markdown or JSON (chat/downloads.py).
     http.include_router(Downloads(STORE.engine).router)
     # GET/POST /invite/TOKEN: a demo's invite link, a guest's name, its chat (chat/invites.py).
-    http.include_router(InvitePage(Invites(STORE.engine), LOGINS.open,
-                                   chainlit_config.ui.name).router)
+    JOINING = InvitePage(Invites(STORE.engine), LOGINS.open, chainlit_config.ui.name,
+                         setting("VCHAT_GUEST_DAILY_TOKENS"), DEMO,
+                         setting("VCHAT_GUEST_JOINS_PER_ADDRESS"))
+    http.include_router(JOINING.router)
+    if DEMO is not None:
+        JOINING.send_visitors_to_the_demo(http, LOGINS.live_token)
     TURN_METRICS = TurnMetrics(OPS.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
     # How late the event loop that every session shares runs what is due, how long the
     # collector stops it (service/loop.py), and what stays of chats in memory.
@@ -181,6 +195,7 @@ async def start_engines() -> None:
         log.info("created the admin account %r from VCHAT_ADMIN_USER", made[0])
     ENGINES.launch()
     LOGINS.start_sweeping()
+    GUESTS.start_expiring()
     LOOP_LAG.start()
     GC_PAUSES.start()
     SHUTDOWN.handle_signals(asyncio.get_running_loop())
@@ -221,11 +236,18 @@ http.router.routes.sort(key=lambda route: id(route) in CHAINLIT_ROUTES)
 chainlit_config.code.set_chat_profiles = profile_menu(CONFIG)
 
 
+def session_profile():
+    """The profile the page chose; for a guest whose invite names one, that one, whatever
+    the page sent (store/invites.py)."""
+    return CONFIG.profile_or_default(invited_profile(cl.user_session.get("user"))
+                                     or cl.user_session.get("chat_profile"))
+
+
 @cl.on_chat_start
 async def chat_start() -> None:
     if await take_over_chat():
         return
-    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
+    conv = Conversation.start(session_profile())
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
     if ENGINES.stand_in:
@@ -250,7 +272,7 @@ async def continue_chat(thread: ThreadDict) -> Conversation:
     """This session goes on with a stored chat: its turns, its settings panel, the chat
     marked as this session's (a later reconnect elsewhere finds it), and a turn that its
     process's end cut off said."""
-    conv = Conversation.start(CONFIG.profile_or_default(cl.user_session.get("chat_profile")))
+    conv = Conversation.start(session_profile())
     conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
     cl.user_session.set("conversation", conv)
     with contextlib.suppress(StoreError):  # only a later reconnect elsewhere would miss it

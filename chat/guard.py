@@ -92,10 +92,13 @@ def user_message(payload) -> dict | None:
 
 class Guard:
     def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool,
-                 quota: Callable[[str | None], Awaitable[str | None]]):
+                 quota: Callable[[str | None], Awaitable[str | None]],
+                 new_chat: Callable[[object], Awaitable[str | None]] | None = None):
         self.logins, self.store, self.sharing = logins, store, sharing
         # Why an account may not start a turn now (its daily quota: store/usage.py), or None.
         self.quota = quota
+        # Why a login may not start another chat (a demo guest's cap: store/guests.py).
+        self.new_chat = new_chat
         # When each session's last message reached the server, until its turn takes it
         # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
         self._arrived: dict[str, Arrival] = {}
@@ -197,9 +200,13 @@ class Guard:
         return session
 
     async def _may_take_turn(self, session: WebsocketSession) -> bool:
-        """False, said, when the account's quota refuses a turn: the message is not stored
-        (Chainlit has not seen it yet)."""
-        refused = await self.quota(getattr(session.user, "identifier", None))
+        """False, said, when the account's quota refuses a turn, or its first message
+        would start a chat the account may not have: the message is not stored (Chainlit has
+        not seen it yet)."""
+        refused = None
+        if self.new_chat is not None and not session.has_first_interaction:
+            refused = await self.new_chat(session.user)
+        refused = refused or await self.quota(getattr(session.user, "identifier", None))
         if refused:
             await self._tell(session, refused)
         return not refused

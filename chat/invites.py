@@ -1,6 +1,9 @@
-"""The invite page of a demo session (issue 32): GET /invite/TOKEN shows a form asking for a
-name; POST makes the guest (store/invites.py), opens its login session as a password login
-does (chat/logins.py), sets Chainlit's session cookie and sends the browser to the chat.
+"""The pages by which a demo's guests join (issue 32): GET /invite/TOKEN shows a form asking
+for a name; POST makes the guest (store/invites.py), opens its login session as a password
+login does (chat/logins.py), sets Chainlit's session cookie and sends the browser to the
+chat. With the open demo (VCHAT_DEMO=open) /demo does the same with no link, up to a number
+of guests (beyond it: "the demo is full"), and a visitor of the chat with no login is sent
+there.
 
 An expired, used-up, withdrawn or forged link, a name that will not do (empty, longer than
 store/invites.py's GUEST_NAME_CHARS, control or invisible characters) or a form posted from
@@ -14,15 +17,18 @@ import html
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import chainlit as cl
 from chainlit.auth import create_jwt
-from chainlit.auth.cookie import set_auth_cookie
+from chainlit.auth.cookie import get_token_from_cookies, set_auth_cookie
 from chainlit.data import get_data_layer
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, RedirectResponse
 
-from store.invites import GUEST_NAME_CHARS, InviteError, Invites
+from store.guests import GUEST
+from store.invites import (GUEST_NAME_CHARS, DemoFull, Guest, InviteError, Invites, Joiner,
+                           LinkRefused)
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +36,37 @@ TOKEN = re.compile(r"[A-Za-z0-9_-]{16,64}")  # store/invites.py's tokens, 22 cha
 FORM_BYTES = 4096  # a name's form, at most (the name itself: 40 characters)
 NOT_FROM_HERE = "This form can only be sent from this site's own page."
 TOO_LONG = f"A name can have at most {GUEST_NAME_CHARS} characters."
+DEMO_PATH = "/demo"
+
+
+@dataclass(frozen=True)
+class OpenDemo:
+    """VCHAT_DEMO=open: anyone who opens the page may join as a guest, up to `most`."""
+    most: int
+    by: str | None = None  # who runs it, said on the page and the banner
+
+    def banner(self, retention_days: float) -> str:
+        by = f"a demo run by {self.by}" if self.by else "a demo"
+        return (f"This is {by}: chats are temporary (removed after {retention_days:g} "
+                "days), so keep nothing here you need.")
 
 
 class InvitePage:
     def __init__(self, invites: Invites, open_session: Callable[[str], Awaitable[dict]],
-                 app_name: str):
+                 app_name: str, daily_tokens: int | None = None, demo: OpenDemo | None = None,
+                 joins_per_address: int | None = None):
         self.invites = invites
+        self.joins_per_address = joins_per_address  # guests one address makes in an hour
+        self.daily_tokens = daily_tokens  # each guest's quota (VCHAT_GUEST_DAILY_TOKENS)
         self.open_session = open_session  # Logins.open: the metadata a token carries
         self.app_name = app_name
+        self.demo = demo
         self.router = APIRouter()
         self.router.add_api_route("/invite/{token}", self.show, methods=["GET"])
         self.router.add_api_route("/invite/{token}", self.join, methods=["POST"])
+        if demo is not None:
+            self.router.add_api_route(DEMO_PATH, self.show_demo, methods=["GET"])
+            self.router.add_api_route(DEMO_PATH, self.join_demo, methods=["POST"])
 
     async def show(self, token: str) -> HTMLResponse:
         try:
@@ -51,13 +77,30 @@ class InvitePage:
 
     async def join(self, token: str, request: Request):
         token = token if TOKEN.fullmatch(token) else None
-        origin = request.headers.get("origin")
-        if origin and origin.rstrip("/") != f"{request.url.scheme}://{request.url.netloc}":
-            return self.page(NOT_FROM_HERE, status=403, form=False)
         try:
             await self.invites.check(token)
         except InviteError as exc:
             return self.page(str(exc), status=410, form=False)
+        return await self._join(request, lambda name: self.invites.redeem(
+            token, name, daily_tokens=self.daily_tokens, joiner=self.joiner(request)))
+
+    async def show_demo(self) -> HTMLResponse:
+        return self.page()
+
+    async def join_demo(self, request: Request):
+        return await self._join(request, lambda name: self.invites.join_open(
+            name, self.demo.most, daily_tokens=self.daily_tokens, joiner=self.joiner(request)))
+
+    def joiner(self, request: Request) -> Joiner:
+        return Joiner(request.client.host if request.client else "unknown",
+                      self.joins_per_address)
+
+    async def _join(self, request: Request, make: Callable[[object], Awaitable[Guest]]):
+        """The form's name, a guest made of it by `make`, its login, the cookie: or the page
+        again with the reason (nothing changed)."""
+        origin = request.headers.get("origin")
+        if origin and origin.rstrip("/") != f"{request.url.scheme}://{request.url.netloc}":
+            return self.page(NOT_FROM_HERE, status=403, form=False)
         if int(request.headers.get("content-length") or 0) > FORM_BYTES:
             return self.page(TOO_LONG, status=400)
         try:
@@ -65,23 +108,42 @@ class InvitePage:
         except Exception:  # not a form: said as a missing name
             name = None
         try:
-            guest = await self.invites.redeem(token, name)
-        except InviteError as exc:  # the name; or the link's last use went meanwhile
+            guest = await make(name)
+        except DemoFull as exc:
+            return self.page(str(exc), status=503, form=False)
+        except LinkRefused as exc:  # its last use went meanwhile
+            return self.page(str(exc), status=410, form=False)
+        except InviteError as exc:  # the name
             return self.page(str(exc), status=400)
         user = cl.User(identifier=guest.identifier, display_name=guest.name,
-                       metadata={"role": "user", "kind": "guest",
+                       metadata={"role": "user", "kind": GUEST, "profile": guest.profile,
                                  **await self.open_session(guest.identifier)})
         if (layer := get_data_layer()) is not None:
             await layer.create_user(user)
-        log.info("guest %s joined through invite %s", guest.identifier, guest.invite)
+        log.info("guest %s joined through %s", guest.identifier,
+                 f"invite {guest.invite}" if guest.invite else "the open demo")
         response = RedirectResponse("/", status_code=303)
         set_auth_cookie(request, response, create_jwt(user))
         return response
+
+    def send_visitors_to_the_demo(self, http, live_token: Callable[[str | None], Awaitable[bool]]
+                                  ) -> None:
+        """The open demo: a visitor of the chat's page with no live login goes to the demo's
+        page instead of the login form (an account's login form stays at /login)."""
+
+        @http.middleware("http")
+        async def to_the_demo(request: Request, call_next):
+            if request.method == "GET" and request.url.path == "/" and \
+                    not await live_token(get_token_from_cookies(request.cookies)):
+                return RedirectResponse(DEMO_PATH, status_code=303)
+            return await call_next(request)
 
     def page(self, said: str | None = None, status: int = 200, form: bool = True
              ) -> HTMLResponse:
         name = html.escape(self.app_name)
         note = f'<p class="said" role="alert">{html.escape(said)}</p>' if said else ""
+        if self.demo is not None and self.demo.by:
+            note = f'<p class="small">A demo run by {html.escape(self.demo.by)}.</p>' + note
         body = ('<form method="post"><label for="name">Your name</label>'
                 f'<input id="name" name="name" maxlength="{GUEST_NAME_CHARS}" required autofocus '
                 'autocomplete="nickname"><button type="submit">Start chatting</button></form>'

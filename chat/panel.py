@@ -8,6 +8,7 @@ from chainlit.input_widget import Slider, Switch, TextInput
 from chat.session import Conversation
 from engine.config import Config
 from engine.limits import bounds
+from store.guests import invited_profile
 
 
 class Answered:
@@ -33,13 +34,15 @@ def profile_menu(config: Config):
     So: an awaitable already answered."""
 
     def chat_profiles(current_user=None, language=None) -> Answered:
+        only = invited_profile(current_user)  # a guest whose invite names one: just it
+        shown = [p for p in config.profiles if p.name == only] or config.profiles
         return Answered([
             cl.ChatProfile(
                 name=p.name, markdown_description=p.description, icon=p.icon or None,
-                default=p is config.default_profile,
+                default=p is config.default_profile or len(shown) == 1,
                 starters=[cl.Starter(label=s.label, message=s.message) for s in p.starters],
             )
-            for p in config.profiles
+            for p in shown
         ])
 
     return chat_profiles

@@ -119,6 +119,20 @@ SETTINGS = {s.name: s for s in (
             "are admins, comma separated"),
     Setting("VCHAT_SSO_GROUPS_CLAIM", text, "groups", "single sign-on: the claim (or "
             "header's) list of the user's groups"),
+    Setting("VCHAT_PUBLIC_URL", text, "http://localhost:8000", "the app's address as people "
+            "open it, for the invite links `store invites add` prints"),
+    Setting("VCHAT_DEMO", one_of("off", "open"), "off", "open: anyone who opens the page "
+            "chats as a demo guest, no account needed", aliases=("CHAT_DEMO",)),
+    Setting("VCHAT_DEMO_BY", text, None, "who runs the open demo, said on its page and banner"),
+    Setting("VCHAT_DEMO_GUESTS", whole(1), "100", "open demo: guests at most, counting "
+            "those whose login is live"),
+    Setting("VCHAT_GUEST_DAILY_TOKENS", whole(0), "100000", "a demo guest's tokens a day "
+            "(prompt and reply; store/guests.py)"),
+    Setting("VCHAT_GUEST_CHATS", whole(1), "5", "the chats a demo guest may keep at most"),
+    Setting("VCHAT_GUEST_JOINS_PER_ADDRESS", whole(1), "200", "demo guests one client "
+            "address may make in an hour (a room often shares one address)"),
+    Setting("VCHAT_GUEST_RETENTION_DAYS", number(0, above=True), "7",
+            "days after which a demo guest goes, with its chats"),
     Setting("VCHAT_HEADER_AUTH", text, None, "login by a trusted proxy's header: the header "
             "naming the user, e.g. X-Forwarded-Email (default: off)"),
     Setting("VCHAT_HEADER_AUTH_GROUPS", text, None, "the proxy's header with the user's "

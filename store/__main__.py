@@ -13,13 +13,21 @@
     .venv/bin/python -m store keys add NAME [--label L] a new API key for NAME, shown once
     .venv/bin/python -m store keys list [NAME]
     .venv/bin/python -m store keys revoke ID
-    .venv/bin/python -m store invites add --uses N --expires 2h
+    .venv/bin/python -m store invites add --uses N --expires 2h [--profile NAME]
                                                        an invite link for a demo: up to N
                                                        people chat as guests until it
-                                                       expires (s, m, h or d); shown once
+                                                       expires (s, m, h or d), in that
+                                                       profile only if named; shown once
     .venv/bin/python -m store invites list
     .venv/bin/python -m store invites revoke ID        refused from now on; its guests'
                                                        sessions end
+    .venv/bin/python -m store invites end ID           revoked, and its guests removed
+                                                       now with their chats
+    .venv/bin/python -m store invites expire [--days N]
+                                                       guests older than N days (default
+                                                       VCHAT_GUEST_RETENTION_DAYS) removed
+                                                       with their chats (the app does it
+                                                       every hour)
     .venv/bin/python -m store usage [--since DATE] [--until DATE] [--json]
                                                        turns, tokens, stopped replies and
                                                        thumbs per user and profile
@@ -41,7 +49,6 @@ import argparse
 import asyncio
 import getpass
 import json
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -51,6 +58,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from store import export
 from store.accounts import AccountError, Accounts
 from store.api_keys import ApiKeys
+from engine.settings import setting
+from store.guests import Guests
 from store.invites import Invites, parse_duration
 from store.schema import connect, database_url, migrate
 from store.setup import data_dir
@@ -125,21 +134,44 @@ async def keys_command(keys: ApiKeys, args) -> str:
     return f"revoked {args.id}"
 
 
+def known_profile(name: str | None) -> str | None:
+    """`name` if profiles.yaml (VCHAT_PROFILES) has that profile; ValueError otherwise."""
+    if name is None:
+        return None
+    from engine import load_config
+
+    names = [p.name for p in load_config().profiles]
+    if name not in names:
+        raise ValueError(f"--profile {name!r}: one of {', '.join(names)}")
+    return name
+
+
 async def invites_command(invites: Invites, args) -> str:
     if args.action == "add":
-        invite, token = await invites.add(args.uses, parse_duration(args.expires))
-        site = (os.environ.get("CHAINLIT_URL") or "http://localhost:8000").rstrip("/")
+        invite, token = await invites.add(args.uses, parse_duration(args.expires),
+                                          known_profile(args.profile))
+        site = setting("VCHAT_PUBLIC_URL").rstrip("/")
         until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(invite.expires_at))
         return (f"invite {invite.id}: {invite.uses} use(s) until {until} (the link is shown "
-                f"only now; CHAINLIT_URL sets its address):\n{site}/invite/{token}")
+                f"only now; VCHAT_PUBLIC_URL sets its address):\n{site}/invite/{token}")
     if args.action == "list":
         now = time.time()
         return "\n".join(
-            f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\tuntil "
+            f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\t{i.profile or 'any profile'}\tuntil "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(i.expires_at))}\t{i.created_at}"
             for i in await invites.list()) or "no invites"
-    ended = await invites.revoke(args.id)
-    return f"revoked invite {args.id}; {ended} guest session(s) ended"
+    if args.action == "revoke":
+        ended = await invites.revoke(args.id)
+        return f"revoked invite {args.id}; {ended} guest session(s) ended"
+    days = setting("VCHAT_GUEST_RETENTION_DAYS") if args.action == "end" or args.days is None \
+        else args.days
+    if not days > 0:
+        raise ValueError("--days: more than 0")
+    guests = Guests(invites.engine, setting("VCHAT_GUEST_CHATS"), days)
+    if args.action == "end":
+        return f"revoked invite {args.id}; {await guests.end_invite(args.id)} guest(s) " \
+               "removed with their chats"
+    return f"{await guests.expire()} guest(s) older than {days:g} day(s) removed with their chats"
 
 
 def usage_table(lines: list[UsageLine], as_json: bool) -> str:
@@ -208,8 +240,11 @@ def main(argv: list[str]) -> int:
     invite = invites.add_parser("add")
     invite.add_argument("--uses", type=int, required=True, help="how many people may join")
     invite.add_argument("--expires", required=True, help="e.g. 90m, 2h, 7d")
+    invite.add_argument("--profile", help="the one chat profile its guests get")
     invites.add_parser("list")
     invites.add_parser("revoke").add_argument("id")
+    invites.add_parser("end").add_argument("id")
+    invites.add_parser("expire").add_argument("--days", type=float)
     args = parser.parse_args(argv)
     try:
         print(asyncio.run(run(args)))

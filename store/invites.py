@@ -12,10 +12,11 @@ in until it expires; each picks a name and chats as a guest, with no password.
   session cookie is their key.
 - Revoking a link ends every session of its guests at once (their sockets close within a
   second, chat/logins.py's sweeper) and refuses it from then on.
+- The open demo (VCHAT_DEMO=open) makes guests with no invite (`join_open`), up to a
+  number whose login is live.
 
     .venv/bin/python -m store invites add --uses 50 --expires 2h [--profile NAME]
-    .venv/bin/python -m store invites list
-    .venv/bin/python -m store invites revoke ID
+    .venv/bin/python -m store invites list | revoke ID | end ID | expire [--days N]
 """
 
 from __future__ import annotations
@@ -43,13 +44,29 @@ _REDEEM = text(
     'AND "expiresAt" > :now AND "used" < "uses"')
 _STATE = text('SELECT "id", "uses", "used", "expiresAt", "revokedAt", "profile" FROM invites '
               'WHERE "tokenHash" = :h')
+# Guests of the open demo (no invite) whose login is live: "at once", as the cap counts.
+_OPEN_GUESTS = text(
+    'SELECT COUNT(DISTINCT s."identifier") FROM login_sessions s JOIN accounts a ON '
+    'a."identifier" = s."identifier" WHERE a."kind" = \'guest\' AND a."invite" IS NULL '
+    'AND s."endedAt" IS NULL AND s."expiresAt" > :now')
 _ADD_GUEST = text(
     'INSERT INTO accounts ("identifier", "passwordHash", "role", "createdAt", "kind", '
-    '"invite", "displayName") VALUES (:i, \'\', \'user\', :c, \'guest\', :invite, :name)')
+    '"invite", "displayName", "dailyTokens", "address") '
+    "VALUES (:i, '', 'user', :c, 'guest', :invite, :name, :tokens, :address)")
+_JOINED_FROM = text('SELECT COUNT(*) FROM accounts WHERE "kind" = \'guest\' '
+                    'AND "address" = :address AND "createdAt" > :since')
 
 
 class InviteError(ValueError):
     """An invite that cannot be used or made, said in words (for the page or operator)."""
+
+
+class LinkRefused(InviteError):
+    """The link itself will not do: unknown, withdrawn, expired or used up."""
+
+
+class DemoFull(InviteError):
+    """The open demo has as many guests as it takes."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +89,28 @@ class Invite:
 class Guest:
     identifier: str
     name: str
-    invite: str
+    invite: str | None  # None: a guest of the open demo
     profile: str | None
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """Where a guest joins from (the client's address), and how many guests one address
+    may make in an hour (None: any number). A room's people often share one address
+    (a company's or a venue's network): the limit is for a script making guest after
+    guest, not for people."""
+    address: str | None = None
+    per_hour: int | None = None
+
+    async def check(self, conn, now: float) -> None:
+        if self.address is None or self.per_hour is None:
+            return
+        since = datetime.fromtimestamp(now - 3600, timezone.utc).isoformat(timespec="seconds")
+        made = (await conn.execute(_JOINED_FROM, {"address": self.address,
+                                                  "since": since})).scalar_one()
+        if made >= self.per_hour:
+            raise InviteError("Too many guests have joined from your network in the last "
+                              "hour. Please try again later.")
 
 
 def token_hash(token: str) -> str:
@@ -141,24 +178,46 @@ class Invites:
                 if isinstance(token, str) else None
         return _usable(row, now)
 
-    async def redeem(self, token, name, now: float | None = None) -> Guest:
-        """A guest account for `name` through the invite, one use counted; InviteError in
-        words (nothing changed) when the name or the invite will not do."""
+    async def redeem(self, token, name, now: float | None = None,
+                     daily_tokens: int | None = None, joiner: Joiner = Joiner()) -> Guest:
+        """A guest account for `name` through the invite, one use counted, at most
+        `daily_tokens` a day (None: no quota); InviteError in words (nothing changed) when
+        the name, the invite or the joiner's address will not do."""
         name = guest_name(name)
         now = time.time() if now is None else now
         if not isinstance(token, str):
-            raise InviteError(_NO_SUCH)
+            raise LinkRefused(_NO_SUCH)
         hashed = token_hash(token)
         async with self.engine.begin() as conn:
+            await joiner.check(conn, now)
             if (await conn.execute(_REDEEM, {"h": hashed, "now": now})).rowcount != 1:
                 _usable((await conn.execute(_STATE, {"h": hashed})).first(), now)
-                raise InviteError(_NO_SUCH)  # (_usable raised already for a known link)
+                raise LinkRefused(_NO_SUCH)  # (_usable raised already for a known link)
             row = (await conn.execute(_STATE, {"h": hashed})).first()
             identifier = "guest-" + secrets.token_hex(4)
             await conn.execute(_ADD_GUEST, {
                 "i": identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "invite": row.id, "name": name})
+                "invite": row.id, "name": name, "tokens": daily_tokens,
+                "address": joiner.address})
         return Guest(identifier, name, row.id, row.profile)
+
+    async def join_open(self, name, most: int, now: float | None = None,
+                        daily_tokens: int | None = None, joiner: Joiner = Joiner()) -> Guest:
+        """A guest of the open demo (no invite) for `name`, unless `most` guests of it have
+        a live login (DemoFull), or the name or the joiner's address will not do
+        (InviteError); nothing changed then."""
+        name = guest_name(name)
+        now = time.time() if now is None else now
+        async with self.engine.begin() as conn:
+            await joiner.check(conn, now)
+            if (await conn.execute(_OPEN_GUESTS, {"now": now})).scalar_one() >= most:
+                raise DemoFull("The demo is full right now. Please try again later.")
+            identifier = "guest-" + secrets.token_hex(4)
+            await conn.execute(_ADD_GUEST, {
+                "i": identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "invite": None, "name": name, "tokens": daily_tokens,
+                "address": joiner.address})
+        return Guest(identifier, name, None, None)
 
     async def revoke(self, invite_id: str, now: float | None = None) -> int:
         """The invite refused from now on and its guests' sessions ended; how many ended."""
@@ -181,11 +240,11 @@ _NO_SUCH = "This invite link is not valid. Ask the person running the demo for a
 
 def _usable(row, now: float) -> Invite:
     if row is None:
-        raise InviteError(_NO_SUCH)
+        raise LinkRefused(_NO_SUCH)
     if row.revokedAt is not None:
-        raise InviteError("This invite link has been withdrawn.")
+        raise LinkRefused("This invite link has been withdrawn.")
     if row.expiresAt <= now:
-        raise InviteError("This invite link has expired.")
+        raise LinkRefused("This invite link has expired.")
     if row.used >= row.uses:
-        raise InviteError("This invite link has been used as many times as it allows.")
+        raise LinkRefused("This invite link has been used as many times as it allows.")
     return Invite(row.id, row.uses, row.used, row.expiresAt, row.profile, "")

@@ -183,7 +183,8 @@ def migrations(postgres: bool) -> list[list[str]]:
          'ALTER TABLE threads ADD COLUMN "sessionId" TEXT',
          'CREATE INDEX threads_by_session ON threads ("sessionId")'],
         # 6: invite links for demo sessions (store/invites.py), and guest accounts: the
-        # invite each came through and the name it chose ("kind" = 'guest').
+        # invite each came through, the name it chose and the address it joined from
+        # ("kind" = 'guest').
         ['''CREATE TABLE invites (
             "id" TEXT PRIMARY KEY, "tokenHash" TEXT NOT NULL UNIQUE,
             "uses" INTEGER NOT NULL, "used" INTEGER NOT NULL,
@@ -191,7 +192,9 @@ def migrations(postgres: bool) -> list[list[str]]:
             "revokedAt" DOUBLE PRECISION)''',
          'ALTER TABLE accounts ADD COLUMN "invite" TEXT',
          'ALTER TABLE accounts ADD COLUMN "displayName" TEXT',
-         'CREATE INDEX accounts_by_invite ON accounts ("invite")'],
+         'ALTER TABLE accounts ADD COLUMN "address" TEXT',
+         'CREATE INDEX accounts_by_invite ON accounts ("invite")',
+         'CREATE INDEX accounts_by_address ON accounts ("address", "createdAt")'],
     ]
 
 

@@ -14,10 +14,11 @@ import pytest
 
 from store.accounts import AccountError
 from store.api_keys import ApiKeys
-from store.invites import GUEST_NAME_CHARS, InviteError, Invites, parse_duration
+from store.guests import Guests
+from store.invites import GUEST_NAME_CHARS, InviteError, Invites, Joiner, parse_duration
 from store.schema import connect, database_url, migrate
 from tests.test_accounts import STAND_IN, add_user, store_command, store_run
-from tools.chainlit_client import ChatClient, serving
+from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
 from tools.postgres import Postgres, binaries
 
 HOSTILE_NAMES = ["", "   ", "x" * 10_000, "x" * (GUEST_NAME_CHARS + 1), "bell\x07",
@@ -119,6 +120,86 @@ async def test_a_guest_gets_no_api_key_and_a_key_of_one_opens_nothing(invites):
     assert await keys.account_of("vchat-k1-x") is None
 
 
+async def chat_of(engine, identifier: str, name: str) -> str:
+    from sqlalchemy import text
+    thread = f"chat-{identifier}-{name}"
+    async with engine.begin() as conn:
+        await conn.execute(text(
+            'INSERT INTO threads ("id", "createdAt", "name", "userIdentifier") '
+            "VALUES (:id, '2026-01-01T00:00:00', :n, :i)"), {"id": thread, "n": name,
+                                                             "i": identifier})
+    return thread
+
+
+async def chats(engine) -> list[str]:
+    from sqlalchemy import text
+    async with engine.connect() as conn:
+        return sorted((await conn.execute(text('SELECT "id" FROM threads'))).scalars())
+
+
+async def test_a_guest_keeps_a_few_chats_and_goes_after_the_retention_with_them(invites):
+    """The cap counts the guest's stored chats; only guests are capped. The retention
+    removes guests older than it, their chats with them, and nothing else: not a newer
+    guest, not an ordinary account's old chat. Ending an invite removes its guests only."""
+    from datetime import datetime, timedelta, timezone
+
+    from chainlit.user import User
+    from sqlalchemy import text
+
+    from store.accounts import Accounts
+
+    engine = invites.engine
+    guests = Guests(engine, chats=2, retention_days=7)
+    _, token = await invites.add(5, 3600)
+    other, other_token = await invites.add(5, 3600)
+    old, new = await invites.redeem(token, "Old"), await invites.redeem(token, "New")
+    elsewhere = await invites.redeem(other_token, "Elsewhere")
+    await Accounts(engine).add("regular", "a long enough password")
+    as_guest = User(identifier=new.identifier, metadata={"kind": "guest"})
+    assert await guests.new_chat_refusal(as_guest) is None
+    for name in ("one", "two"):
+        await chat_of(engine, new.identifier, name)
+    assert "2 chats at most" in await guests.new_chat_refusal(as_guest)
+    for name in ("one", "two", "three"):
+        await chat_of(engine, "regular", name)
+    assert await guests.new_chat_refusal(User(identifier="regular", metadata={})) is None
+
+    kept = await chats(engine)
+    gone = await chat_of(engine, old.identifier, "old")
+    async with engine.begin() as conn:  # joined 8 days ago
+        await conn.execute(text('UPDATE accounts SET "createdAt" = :c WHERE "identifier" = :i'),
+                           {"c": (datetime.now(timezone.utc) - timedelta(days=8))
+                            .isoformat(timespec="seconds"), "i": old.identifier})
+    assert await guests.expire() == 1
+    assert await chats(engine) == kept and gone not in kept
+    names = [a.identifier for a in await Accounts(engine).list()]
+    assert old.identifier not in names and new.identifier in names and "regular" in names
+
+    await chat_of(engine, elsewhere.identifier, "elsewhere")
+    assert await guests.end_invite(other.id) == 1
+    names = [a.identifier for a in await Accounts(engine).list()]
+    assert elsewhere.identifier not in names and new.identifier in names
+    assert [c for c in await chats(engine) if "Elsewhere" in c or elsewhere.identifier in c] == []
+    assert [i.state() for i in await invites.list() if i.id == other.id] == ["revoked"]
+
+
+async def test_one_address_makes_no_more_guests_an_hour_than_allowed(invites):
+    """A script making guest after guest from one address is stopped in words, without
+    using the link up; another address, and the same one an hour later, are not."""
+    invite, token = await invites.add(10, 3 * 3600)
+    script = Joiner("203.0.113.9", per_hour=2)
+    for n in range(2):
+        await invites.redeem(token, f"Bot {n}", joiner=script)
+    with pytest.raises(InviteError, match="from your network"):
+        await invites.redeem(token, "Bot 2", joiner=script)
+    with pytest.raises(InviteError, match="from your network"):
+        await invites.join_open("Bot 3", most=100, joiner=script)
+    assert await used(invites, invite.id) == 2
+    await invites.redeem(token, "Person", joiner=Joiner("198.51.100.7", per_hour=2))
+    await invites.redeem(token, "Later", joiner=script, now=time.time() + 3601)
+    assert await used(invites, invite.id) == 4
+
+
 def test_durations_are_read_in_words_and_bounded():
     assert parse_duration("90s") == 90 and parse_duration("2h") == 7200
     assert parse_duration("7d") == 7 * 86400
@@ -129,9 +210,12 @@ def test_durations_are_read_in_words_and_bounded():
 
 # -- the page, on the real server -----------------------------------------------------
 
+GUEST_CHATS = 2  # the server's cap, small enough to reach
+
+
 @pytest.fixture(scope="module")
 async def server():
-    async with serving(STAND_IN, timeout=120) as srv:
+    async with serving({**STAND_IN, "VCHAT_GUEST_CHATS": str(GUEST_CHATS)}, timeout=120) as srv:
         yield srv
 
 
@@ -165,6 +249,7 @@ async def test_an_invite_link_opens_a_chat_for_a_guest_until_it_is_revoked(serve
     assert me["identifier"].startswith("guest-") and me["display_name"] == "Grace <b>Hopper</b>"
     listed = store_command(server, "users", "list")
     assert f"{me['identifier']}\tuser\tguest" in listed
+    assert "100000 tokens/day" in listed.split(me["identifier"])[1].splitlines()[0]
 
     assert (await join(server, token, "Second")).status_code == 303
     full = await join(server, token, "Third")
@@ -215,3 +300,158 @@ async def test_the_operators_invite_commands_refuse_bad_values_in_words(server):
     assert done.returncode == 1 and "no invite 'nosuch'" in done.stderr
     add_user(server, "keyless-check", "a long enough password")
     assert "API key" in store_command(server, "keys", "add", "keyless-check")
+
+
+async def guest_of(server, token: str, name: str) -> ChatClient:
+    joined = await join(server, token, name)
+    assert joined.status_code == 303, joined.text
+    guest = ChatClient(server.url, "Latency-first")
+    await guest.connect_with(joined.cookies["access_token"])
+    return guest
+
+
+async def test_a_room_of_guests_joins_through_one_link_at_once_and_all_chat(server):
+    """65 people open a 64-use link at once: 64 join and all get a reply, one at a time or
+    together; the 65th gets the page saying the link is used up."""
+    token = link_token(store_command(server, "invites", "add", "--uses", "64", "--expires",
+                                     "1h"))
+    joined = await asyncio.gather(*[join(server, token, f"Person {n}") for n in range(65)])
+    assert sorted(r.status_code for r in joined) == [303] * 64 + [410]
+    assert "as many times" in next(r.text for r in joined if r.status_code == 410)
+    guests = [ChatClient(server.url, "Latency-first") for _ in range(64)]
+    await asyncio.gather(*[g.connect_with(r.cookies["access_token"])
+                           for g, r in zip(guests, [r for r in joined if r.status_code == 303])])
+    replies = await asyncio.gather(*[g.send(f"Hello from guest {n}") for n, g in enumerate(guests)])
+    assert all(r.reply is not None and r.shown for r in replies), \
+        [r.notes for r in replies if r.reply is None][:3]
+    identities = set()
+    for g in guests[:4]:  # each sees its own chat only
+        async with httpx.AsyncClient(base_url=server.url,
+                                     cookies={"access_token": g._token}) as http:
+            listed = (await http.post("/project/threads", json={
+                "pagination": {"first": 20}, "filter": {}})).json()["data"]
+        assert len(listed) == 1
+        identities.add(listed[0]["userIdentifier"])
+    assert len(identities) == 4
+    await asyncio.gather(*[g.close() for g in guests])
+
+
+async def test_a_guest_starts_no_more_chats_than_allowed_and_cannot_open_anothers(server):
+    token = link_token(store_command(server, "invites", "add", "--uses", "2", "--expires",
+                                     "1h"))
+    guest, other = await guest_of(server, token, "Capped"), await guest_of(server, token, "Other")
+    theirs = await other.send("my own secret chat")
+    assert theirs.reply is not None
+    for n in range(GUEST_CHATS):
+        if n:
+            await guest.new_chat()
+        assert (await guest.send(f"chat {n}")).reply is not None
+    await guest.new_chat()
+    start = len(guest.events)
+    await guest.emit_message("one chat too many")
+    toast = await guest.wait_for("toast", since=start, timeout=30)
+    assert f"{GUEST_CHATS} chats at most" in guest.events[toast].data["message"]
+    await asyncio.sleep(1)
+    assert not [e for e in guest.events[start:] if e.name == "stream_start"]
+    async with httpx.AsyncClient(base_url=server.url,
+                                 cookies={"access_token": guest._token}) as http:
+        mine = (await http.post("/project/threads", json={
+            "pagination": {"first": 20}, "filter": {}})).json()["data"]
+        assert len(mine) == GUEST_CHATS, "the refused message started no chat"
+        async with httpx.AsyncClient(base_url=server.url,
+                                     cookies={"access_token": other._token}) as http2:
+            other_chat = (await http2.post("/project/threads", json={
+                "pagination": {"first": 20}, "filter": {}})).json()["data"][0]["id"]
+        assert (await http.get(f"/project/thread/{other_chat}")).status_code in (401, 403, 404)
+        assert (await http.get(f"/export/chats/{other_chat}")).status_code in (403, 404)
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        api = await http.post("/v1/chat/completions", json={"model": "x", "messages": []},
+                              headers={"Authorization": f"Bearer {guest._token}"})
+    assert api.status_code == 401, "a guest's login is no API key"
+    await guest.close()
+    await other.close()
+
+
+async def test_ending_an_invite_removes_its_guests_and_their_chats(server):
+    printed = store_command(server, "invites", "add", "--uses", "3", "--expires", "1h")
+    token, invite_id = link_token(printed), printed.split()[1].rstrip(":")
+    guest = await guest_of(server, token, "Leaving")
+    assert (await guest.send("soon gone")).reply is not None
+    async with httpx.AsyncClient(base_url=server.url,
+                                 cookies={"access_token": guest._token}) as http:
+        identifier = (await http.get("/user")).json()["identifier"]
+    assert identifier in store_command(server, "users", "list")
+    ended = store_command(server, "invites", "end", invite_id)
+    assert "1 guest(s) removed" in ended, ended
+    deadline = time.monotonic() + 10
+    while guest.sio.connected and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not guest.sio.connected
+    assert identifier not in store_command(server, "users", "list")
+    assert "0 guest(s) older than 7 day(s)" in store_command(server, "invites", "expire")
+
+
+async def test_an_invite_for_one_profile_keeps_its_guests_in_it(server):
+    """The page may ask for another profile (a hostile client sends any name): the guest's
+    turns run in the invite's."""
+    done = store_run(server, "invites", "add", "--uses", "1", "--expires", "1h",
+                     "--profile", "No such profile")
+    assert done.returncode == 1 and "one of" in done.stderr, done.stderr
+    printed = store_command(server, "invites", "add", "--uses", "1", "--expires", "1h",
+                            "--profile", "Throughput-first")
+    assert "Throughput-first" in store_command(server, "invites", "list")
+    guest = await guest_of(server, link_token(printed), "Profiled")  # asks for Latency-first
+    reply = await guest.send("which profile am I in?")
+    assert reply.reply["metadata"]["profile"] == "Throughput-first"
+    await guest.close()
+
+
+async def test_with_the_demo_off_nobody_joins_without_a_link(server):
+    accounts = store_command(server, "users", "list")
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        posted = await http.post("/demo", data={"name": "Walk-in"})
+        notice = (await http.get("/notice")).json()
+    assert posted.status_code != 303 and "access_token" not in posted.cookies
+    assert store_command(server, "users", "list") == accounts
+    assert "demo" not in (notice.get("notice") or "")
+
+
+async def test_the_open_demo_lets_visitors_chat_up_to_its_cap_and_says_it_is_a_demo():
+    env = {**STAND_IN, "CHAT_DEMO": "open", "VCHAT_DEMO_GUESTS": "2",
+           "VCHAT_DEMO_BY": "the <i>test</i> team"}
+    async with serving(env, timeout=120) as demo:
+        async with httpx.AsyncClient(base_url=demo.url) as http:
+            sent = await http.get("/")
+            assert sent.status_code == 303 and sent.headers["location"] == "/demo"
+            page = await http.get("/demo")
+            assert page.status_code == 200 and "<form" in page.text
+            assert "the &lt;i&gt;test&lt;/i&gt; team" in page.text
+            for name in ("", "x" * 10_000, "tab\there\x1b[31m"):
+                refused = await http.post("/demo", data={"name": name})
+                assert refused.status_code == 400 and "name" in refused.text.lower(), name
+            deadline = time.monotonic() + 60
+            while not (notice := (await http.get("/notice")).json())["ready"] and \
+                    time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert "a demo run by the <i>test</i> team" in notice["notice"]
+            assert "temporary" in notice["notice"] and "7 days" in notice["notice"]
+        joined = []
+        for name in ("First", "Second"):
+            async with httpx.AsyncClient(base_url=demo.url) as http:
+                joined.append(await http.post("/demo", data={"name": name}))
+        assert [r.status_code for r in joined] == [303, 303]
+        async with httpx.AsyncClient(base_url=demo.url) as http:
+            full = await http.post("/demo", data={"name": "Third"})
+            assert full.status_code == 503 and "The demo is full" in full.text
+            assert "<form" not in full.text
+        guest = ChatClient(demo.url, "Latency-first")
+        await guest.connect_with(joined[0].cookies["access_token"])
+        assert (await guest.send("hello, demo")).reply is not None
+        async with httpx.AsyncClient(base_url=demo.url,
+                                     cookies={"access_token": guest._token}) as http:
+            assert (await http.get("/")).status_code == 200, "a guest goes to the chat"
+        await guest.close()
+        async with httpx.AsyncClient(base_url=demo.url) as http:  # accounts still log in
+            assert (await http.post("/login", data={"username": TEST_USER,
+                                                    "password": TEST_PASSWORD})
+                    ).status_code == 200

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from store import export
+from store.usage import FLUSH_S
 from tests.test_accounts import (STAND_IN, add_user, database_env, store_command, store_run,
                                  thread_steps, threads)
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
@@ -273,6 +274,9 @@ async def test_usage_counts_turns_tokens_stopped_replies_and_thumbs_by_profile(s
     # The page's thumbs rate the turn's run, the step around its reply (as a browser does).
     run = next(s for s in steps if s["id"] == replies(steps)[1]["parentId"])
     assert run["type"] == "run" and (await rate(bob, run["id"], 1)).status_code == 200
+    # Each turn's cost is written within FLUSH_S of its end: read once both chats' are in
+    # (read before then, the stopped reply's count below took theirs in: seen in a run).
+    await asyncio.sleep(FLUSH_S + 0.5)
     before = (await usage_of(site, "bob", lambda lines: True)).get("Latency-first", {})
 
     # A long reply stopped after its first pieces: counted as stopped, its text's tokens.
