@@ -116,9 +116,12 @@ try:
     # A demo's guests (store/invites.py, store/guests.py): their chats capped, and gone
     # after the retention.
     GUESTS = Guests(STORE.engine, setting("VCHAT_GUEST_CHATS"),
-                    setting("VCHAT_GUEST_RETENTION_DAYS"))
+                    setting("VCHAT_GUEST_RETENTION_DAYS"), STORE.reader,
+                    setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS"),
+                    setting("VCHAT_GUEST_TURNS_PER_MINUTE"),
+                    setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE"))
     GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing,
-                  quota=USAGE.refusal, new_chat=GUESTS.new_chat_refusal)
+                  quota=USAGE.refusal, guest_turn=GUESTS.turn_refusal)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
     # VCHAT_DEMO=open: anyone who opens the page chats as a guest (chat/invites.py), and

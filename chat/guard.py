@@ -93,12 +93,14 @@ def user_message(payload) -> dict | None:
 class Guard:
     def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool,
                  quota: Callable[[str | None], Awaitable[str | None]],
-                 new_chat: Callable[[object], Awaitable[str | None]] | None = None):
+                 guest_turn: Callable[[object, bool], Awaitable[str | None]] | None = None):
         self.logins, self.store, self.sharing = logins, store, sharing
         # Why an account may not start a turn now (its daily quota: store/usage.py), or None.
         self.quota = quota
-        # Why a login may not start another chat (a demo guest's cap: store/guests.py).
-        self.new_chat = new_chat
+        # Why a demo guest may not take a turn (`guest_turn(user, starts_chat)`: its chats'
+        # cap, its and its address's messages a minute, its address's tokens today:
+        # store/guests.py), or None.
+        self.guest_turn = guest_turn
         # When each session's last message reached the server, until its turn takes it
         # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
         self._arrived: dict[str, Arrival] = {}
@@ -204,8 +206,8 @@ class Guard:
         would start a chat the account may not have: the message is not stored (Chainlit has
         not seen it yet)."""
         refused = None
-        if self.new_chat is not None and not session.has_first_interaction:
-            refused = await self.new_chat(session.user)
+        if self.guest_turn is not None:
+            refused = await self.guest_turn(session.user, not session.has_first_interaction)
         refused = refused or await self.quota(getattr(session.user, "identifier", None))
         if refused:
             await self._tell(session, refused)
@@ -228,11 +230,16 @@ class Guard:
         return session
 
     async def action(self, payload: CallActionRequest, current_user=Depends(get_current_user)):
-        self.owned_session(payload.sessionId, current_user)
+        session = self.owned_session(payload.sessionId, current_user)
         action = payload.action
         if set(action) - ACTION_FIELDS or not isinstance(action.get("name"), str) or \
                 not isinstance(action.get("payload"), dict):
             raise HTTPException(400, "This button's data could not be read.")
+        # A button's turn (Regenerate) is a demo guest's turn as a message is.
+        if self.guest_turn is not None and \
+                (refused := await self.guest_turn(session.user, False)):
+            await self._tell(session, refused)
+            raise HTTPException(429, refused)
         return await chainlit_server.call_action(payload, current_user)
 
     async def element(self, payload: ElementRequest, current_user=Depends(get_current_user)):

@@ -129,6 +129,12 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_GUEST_DAILY_TOKENS", whole(0), "100000", "a demo guest's tokens a day "
             "(prompt and reply; store/guests.py)"),
     Setting("VCHAT_GUEST_CHATS", whole(1), "5", "the chats a demo guest may keep at most"),
+    Setting("VCHAT_GUEST_TURNS_PER_MINUTE", whole(1), "10", "messages a minute a demo "
+            "guest may send"),
+    Setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE", whole(1), "300", "messages a minute "
+            "that the demo guests who joined from one client address may send together"),
+    Setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS", whole(0), "5000000", "tokens a day that "
+            "the demo guests who joined from one client address share"),
     Setting("VCHAT_GUEST_JOINS_PER_ADDRESS", whole(1), "200", "demo guests one client "
             "address may make in an hour (a room often shares one address)"),
     Setting("VCHAT_GUEST_RETENTION_DAYS", number(0, above=True), "7",

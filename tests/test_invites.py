@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import socketio
 
 from store.accounts import AccountError
 from store.api_keys import ApiKeys
@@ -156,13 +157,14 @@ async def test_a_guest_keeps_a_few_chats_and_goes_after_the_retention_with_them(
     elsewhere = await invites.redeem(other_token, "Elsewhere")
     await Accounts(engine).add("regular", "a long enough password")
     as_guest = User(identifier=new.identifier, metadata={"kind": "guest"})
-    assert await guests.new_chat_refusal(as_guest) is None
+    assert await guests.turn_refusal(as_guest, starts_chat=True) is None
     for name in ("one", "two"):
         await chat_of(engine, new.identifier, name)
-    assert "2 chats at most" in await guests.new_chat_refusal(as_guest)
+    assert "2 chats at most" in await guests.turn_refusal(as_guest, starts_chat=True)
+    assert await guests.turn_refusal(as_guest, starts_chat=False) is None, "in a chat it has"
     for name in ("one", "two", "three"):
         await chat_of(engine, "regular", name)
-    assert await guests.new_chat_refusal(User(identifier="regular", metadata={})) is None
+    assert await guests.turn_refusal(User(identifier="regular", metadata={}), True) is None
 
     kept = await chats(engine)
     gone = await chat_of(engine, old.identifier, "old")
@@ -200,6 +202,85 @@ async def test_one_address_makes_no_more_guests_an_hour_than_allowed(invites):
     assert await used(invites, invite.id) == 4
 
 
+async def test_the_guests_of_one_address_share_its_tokens_for_the_day(invites):
+    from chainlit.user import User
+    from sqlalchemy import text
+
+    from store.usage import today
+
+    _, token = await invites.add(10, 3600)
+    script, person = Joiner("203.0.113.9", per_hour=50), Joiner("198.51.100.7", per_hour=50)
+    bots = [await invites.redeem(token, f"Bot {n}", joiner=script) for n in range(3)]
+    human = await invites.redeem(token, "Person", joiner=person)
+    guests = Guests(invites.engine, chats=5, retention_days=7, address_tokens=1000)
+
+    def as_user(guest):
+        return User(identifier=guest.identifier, metadata={"kind": "guest"})
+
+    async def spend(guest, tokens: int, day: str) -> None:
+        async with invites.engine.begin() as conn:
+            await conn.execute(text(
+                'INSERT INTO usage ("id", "identifier", "profile", "source", "day", '
+                '"createdAt", "promptTokens", "replyTokens", "stopped") VALUES '
+                "(:id, :i, 'Latency-first', 'chat', :day, 'now', :p, :r, FALSE)"),
+                {"id": f"{guest.identifier}-{tokens}-{day}", "i": guest.identifier,
+                 "day": day, "p": tokens // 2, "r": tokens - tokens // 2})
+
+    await spend(bots[0], 600, today())
+    await spend(bots[1], 399, today())
+    await spend(bots[2], 5000, "2020-01-01")  # another day's
+    await spend(human, 500, today())  # another address: not counted with theirs
+    assert await guests.turn_refusal(as_user(bots[2]), False) is None  # 999 of 1000
+    await spend(bots[1], 1, today())
+    for bot in bots:
+        assert "your network" in await guests.turn_refusal(as_user(bot), False)
+    assert await guests.turn_refusal(as_user(human), False) is None
+
+
+async def test_a_guest_and_the_guests_of_its_address_send_a_few_messages_a_minute(invites):
+    from datetime import datetime, timedelta, timezone
+
+    from chainlit.user import User
+    from sqlalchemy import text
+
+    _, token = await invites.add(10, 3600)
+    script, person = Joiner("203.0.113.9", per_hour=50), Joiner("198.51.100.7", per_hour=50)
+    bots = [await invites.redeem(token, f"Bot {n}", joiner=script) for n in range(3)]
+    human = await invites.redeem(token, "Person", joiner=person)
+    guests = Guests(invites.engine, chats=5, retention_days=7, turns_per_minute=3,
+                    address_turns_per_minute=5)
+    made = iter(range(1000))
+
+    async def turn(guest, ago_s: float = 0) -> None:
+        at = datetime.now(timezone.utc) - timedelta(seconds=ago_s)
+        async with invites.engine.begin() as conn:
+            await conn.execute(text(
+                'INSERT INTO usage ("id", "identifier", "profile", "source", "day", '
+                '"createdAt", "promptTokens", "replyTokens", "stopped") VALUES '
+                "(:id, :i, 'Latency-first', 'chat', :day, :at, 1, 1, FALSE)"),
+                {"id": f"turn-{next(made)}", "i": guest.identifier,
+                 "day": at.date().isoformat(), "at": at.isoformat(timespec="seconds")})
+
+    def refusal(guest):
+        return guests.turn_refusal(User(identifier=guest.identifier,
+                                        metadata={"kind": "guest"}), False)
+
+    for _ in range(5):
+        await turn(bots[0], ago_s=120)  # before the last minute: not counted
+    for _ in range(2):
+        await turn(bots[0])
+    assert await refusal(bots[0]) is None
+    await turn(bots[0])
+    assert "3 messages a minute" in await refusal(bots[0])
+    await turn(bots[1])
+    assert await refusal(bots[1]) is None and await refusal(bots[2]) is None  # 4 of 5
+    await turn(bots[1])
+    assert "your network" in await refusal(bots[2])
+    for _ in range(3):
+        await turn(human)
+    assert "3 messages a minute" in await refusal(human)  # its own limit, not its address's
+
+
 def test_durations_are_read_in_words_and_bounded():
     assert parse_duration("90s") == 90 and parse_duration("2h") == 7200
     assert parse_duration("7d") == 7 * 86400
@@ -210,12 +291,15 @@ def test_durations_are_read_in_words_and_bounded():
 
 # -- the page, on the real server -----------------------------------------------------
 
-GUEST_CHATS = 2  # the server's cap, small enough to reach
+GUEST_CHATS = 2  # the server's caps, small enough to reach
+GUEST_TURNS_PER_MINUTE = 3
 
 
 @pytest.fixture(scope="module")
 async def server():
-    async with serving({**STAND_IN, "VCHAT_GUEST_CHATS": str(GUEST_CHATS)}, timeout=120) as srv:
+    async with serving({**STAND_IN, "VCHAT_GUEST_CHATS": str(GUEST_CHATS),
+                        "VCHAT_GUEST_TURNS_PER_MINUTE": str(GUEST_TURNS_PER_MINUTE)},
+                       timeout=120) as srv:
         yield srv
 
 
@@ -364,6 +448,12 @@ async def test_a_guest_starts_no_more_chats_than_allowed_and_cannot_open_another
                 "pagination": {"first": 20}, "filter": {}})).json()["data"][0]["id"]
         assert (await http.get(f"/project/thread/{other_chat}")).status_code in (401, 403, 404)
         assert (await http.get(f"/export/chats/{other_chat}")).status_code in (403, 404)
+        rated = await http.put("/feedback", json={"sessionId": other.session_id, "feedback": {
+            "forId": theirs.reply["id"], "value": 0}})
+        assert rated.status_code in (401, 403, 404), rated.text
+    intruder = ChatClient(server.url, "Latency-first")
+    with pytest.raises(socketio.exceptions.ConnectionError):
+        await intruder._open(guest._token, False, other_chat)
     async with httpx.AsyncClient(base_url=server.url) as http:
         api = await http.post("/v1/chat/completions", json={"model": "x", "messages": []},
                               headers={"Authorization": f"Bearer {guest._token}"})
@@ -455,3 +545,28 @@ async def test_the_open_demo_lets_visitors_chat_up_to_its_cap_and_says_it_is_a_d
             assert (await http.post("/login", data={"username": TEST_USER,
                                                     "password": TEST_PASSWORD})
                     ).status_code == 200
+
+
+async def test_a_guest_past_its_messages_a_minute_is_told_to_wait_and_so_is_regenerate(server):
+    from store.usage import FLUSH_S
+
+    token = link_token(store_command(server, "invites", "add", "--uses", "1", "--expires",
+                                     "1h"))
+    guest = await guest_of(server, token, "Chatty")
+    for n in range(GUEST_TURNS_PER_MINUTE):
+        last = await guest.send(f"message {n}")
+        assert last.reply is not None
+    await asyncio.sleep(FLUSH_S + 0.5)  # the turns' costs written: counted
+    start = len(guest.events)
+    await guest.emit_message("one more")
+    toast = await guest.wait_for("toast", since=start, timeout=30)
+    assert "3 messages a minute" in guest.events[toast].data["message"]
+    button = guest.actions(last.reply["id"])[0]
+    async with httpx.AsyncClient(base_url=server.url,
+                                 cookies={"access_token": guest._token}) as http:
+        pressed = await http.post("/project/action", json={"sessionId": guest.session_id,
+                                                            "action": button})
+    assert pressed.status_code == 429 and "a minute" in pressed.text
+    await asyncio.sleep(1)
+    assert not [e for e in guest.events[start:] if e.name == "stream_start"]
+    await guest.close()
