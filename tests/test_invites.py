@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 
 import httpx
 import pytest
@@ -202,9 +203,21 @@ async def test_one_address_makes_no_more_guests_an_hour_than_allowed(invites):
     assert await used(invites, invite.id) == 4
 
 
+async def turn_cost(engine, identifier: str, day: str, at: str, tokens: int) -> None:
+    """A turn's cost row as store/usage.py writes it."""
+    from sqlalchemy import text
+
+    async with engine.begin() as conn:
+        await conn.execute(text(
+            'INSERT INTO usage ("id", "identifier", "profile", "source", "day", "createdAt", '
+            '"promptTokens", "replyTokens", "stopped") VALUES '
+            "(:id, :i, 'Latency-first', 'chat', :day, :at, :p, :r, FALSE)"),
+            {"id": str(uuid.uuid4()), "i": identifier, "day": day, "at": at,
+             "p": tokens // 2, "r": tokens - tokens // 2})
+
+
 async def test_the_guests_of_one_address_share_its_tokens_for_the_day(invites):
     from chainlit.user import User
-    from sqlalchemy import text
 
     from store.usage import today
 
@@ -218,13 +231,7 @@ async def test_the_guests_of_one_address_share_its_tokens_for_the_day(invites):
         return User(identifier=guest.identifier, metadata={"kind": "guest"})
 
     async def spend(guest, tokens: int, day: str) -> None:
-        async with invites.engine.begin() as conn:
-            await conn.execute(text(
-                'INSERT INTO usage ("id", "identifier", "profile", "source", "day", '
-                '"createdAt", "promptTokens", "replyTokens", "stopped") VALUES '
-                "(:id, :i, 'Latency-first', 'chat', :day, 'now', :p, :r, FALSE)"),
-                {"id": f"{guest.identifier}-{tokens}-{day}", "i": guest.identifier,
-                 "day": day, "p": tokens // 2, "r": tokens - tokens // 2})
+        await turn_cost(invites.engine, guest.identifier, day, "now", tokens)
 
     await spend(bots[0], 600, today())
     await spend(bots[1], 399, today())
@@ -241,7 +248,6 @@ async def test_a_guest_and_the_guests_of_its_address_send_a_few_messages_a_minut
     from datetime import datetime, timedelta, timezone
 
     from chainlit.user import User
-    from sqlalchemy import text
 
     _, token = await invites.add(10, 3600)
     script, person = Joiner("203.0.113.9", per_hour=50), Joiner("198.51.100.7", per_hour=50)
@@ -249,17 +255,11 @@ async def test_a_guest_and_the_guests_of_its_address_send_a_few_messages_a_minut
     human = await invites.redeem(token, "Person", joiner=person)
     guests = Guests(invites.engine, chats=5, retention_days=7, turns_per_minute=3,
                     address_turns_per_minute=5)
-    made = iter(range(1000))
 
     async def turn(guest, ago_s: float = 0) -> None:
         at = datetime.now(timezone.utc) - timedelta(seconds=ago_s)
-        async with invites.engine.begin() as conn:
-            await conn.execute(text(
-                'INSERT INTO usage ("id", "identifier", "profile", "source", "day", '
-                '"createdAt", "promptTokens", "replyTokens", "stopped") VALUES '
-                "(:id, :i, 'Latency-first', 'chat', :day, :at, 1, 1, FALSE)"),
-                {"id": f"turn-{next(made)}", "i": guest.identifier,
-                 "day": at.date().isoformat(), "at": at.isoformat(timespec="seconds")})
+        await turn_cost(invites.engine, guest.identifier, at.date().isoformat(),
+                        at.isoformat(timespec="seconds"), 2)
 
     def refusal(guest):
         return guests.turn_refusal(User(identifier=guest.identifier,
