@@ -39,6 +39,11 @@ TOO_LONG = f"A name can have at most {GUEST_NAME_CHARS} characters."
 DEMO_PATH = "/demo"
 
 
+def shaped(token: str) -> str | None:
+    """The token from the path if it has a token's shape (else None: no such link)."""
+    return token if TOKEN.fullmatch(token) else None
+
+
 @dataclass(frozen=True)
 class OpenDemo:
     """VCHAT_DEMO=open: anyone who opens the page may join as a guest, up to `most`."""
@@ -70,13 +75,13 @@ class InvitePage:
 
     async def show(self, token: str) -> HTMLResponse:
         try:
-            await self.invites.check(token if TOKEN.fullmatch(token) else None)
+            await self.invites.check(shaped(token))
         except InviteError as exc:
             return self.page(str(exc), status=410, form=False)
         return self.page()
 
     async def join(self, token: str, request: Request):
-        token = token if TOKEN.fullmatch(token) else None
+        token = shaped(token)
         try:
             await self.invites.check(token)
         except InviteError as exc:

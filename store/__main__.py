@@ -55,10 +55,10 @@ from dataclasses import asdict
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from engine.settings import setting
 from store import export
 from store.accounts import AccountError, Accounts
 from store.api_keys import ApiKeys
-from engine.settings import setting
 from store.guests import Guests
 from store.invites import Invites, parse_duration
 from store.schema import connect, database_url, migrate
@@ -146,19 +146,23 @@ def known_profile(name: str | None) -> str | None:
     return name
 
 
+def utc_minute(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
+
+
 async def invites_command(invites: Invites, args) -> str:
     if args.action == "add":
         invite, token = await invites.add(args.uses, parse_duration(args.expires),
                                           known_profile(args.profile))
         site = setting("VCHAT_PUBLIC_URL").rstrip("/")
-        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(invite.expires_at))
-        return (f"invite {invite.id}: {invite.uses} use(s) until {until} (the link is shown "
-                f"only now; VCHAT_PUBLIC_URL sets its address):\n{site}/invite/{token}")
+        return (f"invite {invite.id}: {invite.uses} use(s) until "
+                f"{utc_minute(invite.expires_at)} (the link is shown only now; "
+                f"VCHAT_PUBLIC_URL sets its address):\n{site}/invite/{token}")
     if args.action == "list":
         now = time.time()
         return "\n".join(
-            f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\t{i.profile or 'any profile'}\tuntil "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(i.expires_at))}\t{i.created_at}"
+            f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\t{i.profile or 'any profile'}\t"
+            f"until {utc_minute(i.expires_at)}\t{i.created_at}"
             for i in await invites.list()) or "no invites"
     if args.action == "revoke":
         ended = await invites.revoke(args.id)

@@ -23,7 +23,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.accounts import AccountError, Accounts
-from store.invites import Invites
+from store.invites import GUESTS_OF, Invites
 from store.schema import Reader
 from store.usage import today
 
@@ -49,8 +49,6 @@ _ADDRESS_SPENT = text(
     'WHERE a."identifier" = :i')
 _OLD_GUESTS = text('SELECT "identifier" FROM accounts WHERE "kind" = \'guest\' '
                    'AND "createdAt" < :before')
-_GUESTS_OF = text('SELECT "identifier" FROM accounts WHERE "kind" = \'guest\' '
-                  'AND "invite" = :id')
 
 
 def is_guest(user) -> bool:
@@ -76,7 +74,6 @@ class Guests:
         self.turns_per_minute = turns_per_minute
         self.address_turns_per_minute = address_turns_per_minute
         self.retention_days = retention_days
-        self.retention = timedelta(days=retention_days)
         self._expiring: asyncio.Task | None = None
 
     async def turn_refusal(self, user, starts_chat: bool) -> str | None:
@@ -112,7 +109,7 @@ class Guests:
     async def expire(self, now: datetime | None = None) -> int:
         """Guests older than the retention removed with their chats; how many."""
         now = now or datetime.now(timezone.utc)
-        before = (now - self.retention).isoformat(timespec="seconds")
+        before = (now - timedelta(days=self.retention_days)).isoformat(timespec="seconds")
         async with self.engine.connect() as conn:
             old = (await conn.execute(_OLD_GUESTS, {"before": before})).scalars().all()
         return await self._remove(old)
@@ -136,7 +133,7 @@ class Guests:
         """The invite revoked and every guest of it removed with its chats; how many."""
         await Invites(self.engine).revoke(invite_id)
         async with self.engine.connect() as conn:
-            guests = (await conn.execute(_GUESTS_OF, {"id": invite_id})).scalars().all()
+            guests = (await conn.execute(GUESTS_OF, {"id": invite_id})).scalars().all()
         return await self._remove(guests)
 
     async def _remove(self, identifiers) -> int:

@@ -53,6 +53,8 @@ _ADD_GUEST = text(
     'INSERT INTO accounts ("identifier", "passwordHash", "role", "createdAt", "kind", '
     '"invite", "displayName", "dailyTokens", "address") '
     "VALUES (:i, '', 'user', :c, 'guest', :invite, :name, :tokens, :address)")
+GUESTS_OF = text('SELECT "identifier" FROM accounts WHERE "kind" = \'guest\' '
+                 'AND "invite" = :id')
 _JOINED_FROM = text('SELECT COUNT(*) FROM accounts WHERE "kind" = \'guest\' '
                     'AND "address" = :address AND "createdAt" > :since')
 
@@ -194,12 +196,8 @@ class Invites:
                 _usable((await conn.execute(_STATE, {"h": hashed})).first(), now)
                 raise LinkRefused(_NO_SUCH)  # (_usable raised already for a known link)
             row = (await conn.execute(_STATE, {"h": hashed})).first()
-            identifier = "guest-" + secrets.token_hex(4)
-            await conn.execute(_ADD_GUEST, {
-                "i": identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "invite": row.id, "name": name, "tokens": daily_tokens,
-                "address": joiner.address})
-        return Guest(identifier, name, row.id, row.profile)
+            guest = await _add_guest(conn, name, row.id, row.profile, daily_tokens, joiner)
+        return guest
 
     async def join_open(self, name, most: int, now: float | None = None,
                         daily_tokens: int | None = None, joiner: Joiner = Joiner()) -> Guest:
@@ -212,12 +210,8 @@ class Invites:
             await joiner.check(conn, now)
             if (await conn.execute(_OPEN_GUESTS, {"now": now})).scalar_one() >= most:
                 raise DemoFull("The demo is full right now. Please try again later.")
-            identifier = "guest-" + secrets.token_hex(4)
-            await conn.execute(_ADD_GUEST, {
-                "i": identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "invite": None, "name": name, "tokens": daily_tokens,
-                "address": joiner.address})
-        return Guest(identifier, name, None, None)
+            guest = await _add_guest(conn, name, None, None, daily_tokens, joiner)
+        return guest
 
     async def revoke(self, invite_id: str, now: float | None = None) -> int:
         """The invite refused from now on and its guests' sessions ended; how many ended."""
@@ -228,14 +222,22 @@ class Invites:
                 {"now": now, "id": invite_id})
             if done.rowcount == 0:
                 raise InviteError(f"no invite {invite_id!r}")
-            guests = (await conn.execute(text(
-                'SELECT "identifier" FROM accounts WHERE "kind" = \'guest\' AND "invite" = :id'),
-                {"id": invite_id})).scalars().all()
+            guests = (await conn.execute(GUESTS_OF, {"id": invite_id})).scalars().all()
             sessions = LoginSessions(self.engine)
             return sum([await sessions.end_all(g, conn) for g in guests])
 
 
 _NO_SUCH = "This invite link is not valid. Ask the person running the demo for a new one."
+
+
+async def _add_guest(conn, name: str, invite: str | None, profile: str | None,
+                     daily_tokens: int | None, joiner: Joiner) -> Guest:
+    """A new guest account, in the caller's transaction."""
+    guest = Guest("guest-" + secrets.token_hex(4), name, invite, profile)
+    await conn.execute(_ADD_GUEST, {
+        "i": guest.identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "invite": invite, "name": name, "tokens": daily_tokens, "address": joiner.address})
+    return guest
 
 
 def _usable(row, now: float) -> Invite:
