@@ -62,6 +62,10 @@ async def test_a_link_lets_in_as_many_as_its_uses_and_nothing_after_its_end(invi
         with pytest.raises(InviteError, match="not valid"):
             await invites.redeem(forged, "Mallory")
     assert (await used(invites, late.id), await used(invites, gone.id)) == (0, 0)
+    _, spare = await invites.add(1, 3600)
+    crafted = "x'); DROP TABLE invites;--"  # a name is data, bound, never SQL text
+    assert (await invites.redeem(spare, crafted)).name == crafted
+    assert len(await invites.list()) == 4
 
 
 async def test_a_bad_name_is_refused_in_words_and_uses_nothing(invites):
