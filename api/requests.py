@@ -5,8 +5,9 @@ nested 100,000 deep).
 
 Each message is held to the profile's `message_chars`, their number to MAX_MESSAGES (the
 body is bounded before it is read: VCHAT_API_MAX_BODY_MB, chat/guard.py). A field given as
-null means its default, as in OpenAI's API; fields this server cannot honour
-(UNSUPPORTED) are refused, not ignored.
+null means its default, as in OpenAI's API; a field this server does not honour (any not
+in FIELDS) is refused by name, not ignored. The decoding fields are read in api/options.py,
+the tools in api/tools.py.
 """
 
 from __future__ import annotations
@@ -14,28 +15,25 @@ from __future__ import annotations
 import json
 import re
 
-from starlette.responses import JSONResponse
-
-from service.input import check_message
+from api.errors import ApiError
+from api.options import read_decoding
+from api.tools import read_tools
 from engine import ChatError, Message, Profile
-from engine.chat_format import ROLES
+from engine.chat_format import API_ROLES
 from engine.config import Config
 from engine.limits import Bound, bounds, system_prompt_fits
+from service.input import check_message
 
 MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_BODY_MB)
-# OpenAI's fields this server cannot honour: refused, not silently ignored.
-UNSUPPORTED = ("logprobs", "top_logprobs")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind,
-                                       "code": self.code}}, status_code=self.status)
+# The fields of a chat completion this server honours (README, "The API's fields"); any
+# other is refused by name, never silently ignored. `user` (an end user's id, for the
+# provider's abuse monitoring) is accepted and not used, as by `vllm serve`; `ignore_eos`
+# is vLLM's own (its benchmark client sends it: every reply runs to max_tokens).
+FIELDS = frozenset((
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "seed", "stream", "stream_options", "n", "stop", "presence_penalty", "frequency_penalty",
+    "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "user", "ignore_eos"))
 
 
 SESSION_HEADER = "X-Session-Id"
@@ -55,40 +53,42 @@ def session_key(request) -> str | None:
 
 
 def read_body(raw: bytes, config: Config) -> tuple[Profile, dict]:
-    """A request body as JSON, checked (`read`)."""
+    """A chat completion's body, checked (`read`)."""
+    return read(json_body(raw), config)
+
+
+def json_body(raw: bytes) -> dict:
+    """A request body as a JSON object."""
     try:
         body = json.loads(raw)
     except RecursionError:
         raise ApiError(400, "The request body is nested too deeply.") from None
     except ValueError:
         raise ApiError(400, "The request body is not JSON.") from None
-    return read(body, config)
-
-
-def read(body, config: Config) -> tuple[Profile, dict]:
-    """The request checked against the profile's limits: (profile, the turn's parts).
-    A field given as null means its default, as in OpenAI's API."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    return body
+
+
+def profile_of(body: dict, config: Config) -> Profile:
+    """The profile the request's `model` names (404 for another name)."""
     names = [p.name for p in config.profiles]
     if body.get("model") not in names:
         raise ApiError(404, f"Unknown model {str(body.get('model'))[:200]!r}; this server "
                        f"has: {', '.join(names)}.", code="model_not_found")
-    profile = config.profile(body["model"])
+    return config.profile(body["model"])
+
+
+def read(body: dict, config: Config) -> tuple[Profile, dict]:
+    """The request checked against the profile's limits: (profile, the turn's parts).
+    A field given as null means its default, as in OpenAI's API."""
+    profile = profile_of(body, config)
     limits, sampling = profile.limits, profile.sampling
-    if given(body, "n", 1) != 1:
-        raise ApiError(400, "Only n=1 is supported.")
-    for field in UNSUPPORTED:
-        if given(body, field, False) is not False:
-            raise ApiError(400, f"'{field}' is not supported by this server; leave it "
-                           "out.", code="unsupported_parameter")
-    stream, options = given(body, "stream", False), given(body, "stream_options", {})
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be true or false, got {str(stream)[:50]!r}.")
-    if not isinstance(options, dict) or not isinstance(given(options, "include_usage",
-                                                             False), bool):
-        raise ApiError(400, "'stream_options' must be an object such as "
-                       '{"include_usage": true}.')
+    only_known(body, FIELDS)
+    stream, include_usage = streaming(body)
+    extras = extra_fields(body)
+    tools = read_tools(body, limits.tools)
+    decoding = read_decoding(body, profile, tools)
     history, system = messages_of(body.get("messages"), limits.message_chars)
     try:
         new = check_message(history[-1].content, limits.message_chars)
@@ -109,12 +109,44 @@ def read(body, config: Config) -> tuple[Profile, dict]:
     checks = bounds(limits)
     for name, value in asked.items():
         within(checks[name], value, profile)
-    return profile, {"history": history[:-1], "new": Message("user", new.text),
+    last = history[-1]
+    return profile, {"history": history[:-1],
+                     "new": Message(last.role, new.text, tool_call_id=last.tool_call_id),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
-                     "stream": stream, "include_usage": given(options, "include_usage",
-                                                              False),
+                     "stream": stream, "include_usage": include_usage,
+                     "tools": tools, "decoding": decoding, **extras,
                      "sampling": {"temperature": float(temperature),
                                   "top_p": float(top_p), "seed": seed}}
+
+
+def only_known(body: dict, fields: frozenset) -> None:
+    """Refuse, by name, a field this server does not honour (a null one is as if absent)."""
+    unknown = sorted(str(k) for k, v in body.items() if k not in fields and v is not None)
+    if unknown:
+        raise ApiError(400, f"'{unknown[0][:100]}' is not supported by this server; leave it "
+                       "out.", code="unsupported_parameter")
+
+
+def extra_fields(body: dict) -> dict:
+    """`user` checked (and not used), vLLM's `ignore_eos`."""
+    user, ignore_eos = given(body, "user", ""), given(body, "ignore_eos", False)
+    if not isinstance(user, str) or len(user) > 256:
+        raise ApiError(400, "'user' must be text of at most 256 characters.")
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be true or false.")
+    return {"ignore_eos": ignore_eos}
+
+
+def streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    stream, options = given(body, "stream", False), given(body, "stream_options", {})
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {str(stream)[:50]!r}.")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(given(options, "include_usage", False), bool):
+        raise ApiError(400, "'stream_options' must be an object such as "
+                       '{"include_usage": true}.')
+    return stream, given(options, "include_usage", False)
 
 
 def messages_of(messages, message_chars: int) -> tuple[list[Message], list[Message]]:
@@ -128,17 +160,47 @@ def messages_of(messages, message_chars: int) -> tuple[list[Message], list[Messa
     system, history = [], []
     for n, item in enumerate(messages):
         role = item.get("role") if isinstance(item, dict) else None
-        if role not in ROLES:
-            raise ApiError(400, f"messages[{n}].role must be one of {', '.join(ROLES)}.")
-        text = content_text(item.get("content"), f"messages[{n}].content")
+        if role not in API_ROLES:
+            raise ApiError(400, f"messages[{n}].role must be one of {', '.join(API_ROLES)}.")
+        calls = tool_calls(item.get("tool_calls"), n) if role == "assistant" else ()
+        content = item.get("content")
+        text = "" if content is None and calls else content_text(content,
+                                                                 f"messages[{n}].content")
         if len(text) > message_chars:
             raise ApiError(400, f"messages[{n}] is {len(text):,} characters long; this "
                            f"model takes at most {message_chars:,} per message.",
                            code="message_refused")
-        (system if role == "system" else history).append(Message(role, text))
-    if not history or history[-1].role != "user":
-        raise ApiError(400, "The last message must be the user's.")
+        call_id = item.get("tool_call_id") if role == "tool" else None
+        if call_id is not None and not (isinstance(call_id, str) and len(call_id) <= 128):
+            raise ApiError(400, f"messages[{n}].tool_call_id must be text of at most 128 "
+                           "characters.")
+        (system if role == "system" else history).append(
+            Message(role, text, tool_calls=calls, tool_call_id=call_id or ""))
+    if not history or history[-1].role not in ("user", "tool"):
+        raise ApiError(400, "The last message must be the user's (or a tool's result).")
     return history, system
+
+
+def tool_calls(calls, n: int) -> tuple:
+    """An assistant message's tool calls for the chat template: arguments as objects."""
+    if calls is None:
+        return ()
+    where = f"messages[{n}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list.")
+    read = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        try:
+            arguments = json.loads(function["arguments"])
+            assert isinstance(function["name"], str) and isinstance(arguments, dict)
+        except (AssertionError, KeyError, TypeError, ValueError):
+            raise ApiError(400, f"Each of {where} must be {{\"type\": \"function\", "
+                           "\"function\": {\"name\": ..., \"arguments\": \"a JSON "
+                           "object\"}}.") from None
+        read.append({"id": str(call.get("id", ""))[:128], "type": "function",
+                     "function": {"name": function["name"][:64], "arguments": arguments}})
+    return tuple(read)
 
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import ClassVar
 
 from .chat_format import ChatFormatter
+from .decoding import Decoding, Piece
 from .errors import Unavailable
 from .history import Prompt
 from .stats import StepStats, TurnStats
@@ -68,9 +69,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-               preset: str | None = None, session: str | None = None
-               ) -> AsyncIterator[str | TurnStats]:
-        """Text deltas, then one TurnStats; leaving early ends the turn on the engine.
+               preset: str | None = None, session: str | None = None,
+               decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
+        """Text deltas (with a `decoding`: Pieces, decoding.py), then one TurnStats; leaving
+        early ends the turn on the engine.
         `priority`: the turn's class where the engine schedules by priority (lower first);
         `preset`: whose turn it is on a shared engine (for its stats); `session`: a key
         that stays the same for a chat's turns (its id), which a remote server's router may

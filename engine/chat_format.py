@@ -17,6 +17,7 @@ depend on more than the neighbouring roles (the probes show it) is rendered ever
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from .errors import ChatError
 
 ROLES = ("system", "user", "assistant")
+API_ROLES = ROLES + ("tool",)  # a tool's result, given back by an API client
 START, END = "(start)", "(end)"  # the neighbours of the first and after the last message
 _FORMATTERS = itertools.count()
 MAX_SYSTEM_PROMPTS = 256  # system prompts kept encoded (users can write their own)
@@ -36,10 +38,15 @@ class Message:
     content: str
     # [formatter number, token ids of `content`]: encoded once per formatter, then reused.
     _ids: list = field(default_factory=list, compare=False, repr=False)
+    # An assistant's calls of tools, as the chat template takes them:
+    # {"id", "type": "function", "function": {"name", "arguments": {...}}} (API only).
+    tool_calls: tuple = ()
+    tool_call_id: str = ""  # a tool message's answer to this call (API only)
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ChatError(f"Unknown message role {self.role!r}; allowed: {', '.join(ROLES)}.")
+        if self.role not in API_ROLES:
+            raise ChatError(f"Unknown message role {self.role!r}; allowed: "
+                            f"{', '.join(API_ROLES)}.")
         if not isinstance(self.content, str):
             raise ChatError("Message content must be text.")
 
@@ -61,6 +68,7 @@ class ChatFormatter:
         self._mark = re.compile(f"VCHATMSG{self._tag}N(\\d+)E")
         self._piece_ids: dict[str, list[int]] = {}  # template pieces -> ids (a handful)
         self._systems: dict[str, Message] = {}
+        self._controls: list[str] | None = None  # the tokenizer's added tokens, once asked
         self.glue = self._learn_glue()  # (role before, role) -> template piece, or None
         self._glue_ids = {pair: self._template_ids(piece)
                           for pair, piece in (self.glue or {}).items()}
@@ -78,11 +86,13 @@ class ChatFormatter:
             msgs.insert(0, system)
         return msgs
 
-    def assemble(self, msgs: Sequence[Message]) -> tuple[list[int], list[int]]:
+    def assemble(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
+                 ) -> tuple[list[int], list[int]]:
         """The prompt's token ids (the template's piece before each message, the message;
-        last the generation prompt), and where each message's part ends in them."""
+        last the generation prompt), and where each message's part ends in them. `tools`:
+        functions the model may call, in OpenAI's shape, for the template to describe."""
         ids, ends = [], []
-        pieces = self._pieces(msgs)
+        pieces = self._pieces(msgs, tools)
         for piece, msg in zip(pieces, msgs):
             ids += piece
             ids += self.content_ids(msg)
@@ -106,25 +116,53 @@ class ChatFormatter:
 
     # -- the template's own pieces -----------------------------------------------------
 
-    def _pieces(self, msgs: Sequence[Message]) -> list[list[int]]:
+    def _pieces(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
+                ) -> list[list[int]]:
         """The template's pieces, as ids, before each message and after the last."""
-        roles = [START] + [m.role for m in msgs] + [END]
-        pairs = list(zip(roles, roles[1:]))
-        if self.glue is not None and all(pair in self.glue for pair in pairs):
-            return [self._glue_ids[pair] for pair in pairs]
-        return [self._template_ids(piece) for piece in self._render(roles[1:-1])]
+        if tools is None and not any(m.tool_calls for m in msgs):
+            roles = [START] + [m.role for m in msgs] + [END]
+            pairs = list(zip(roles, roles[1:]))
+            if self.glue is not None and all(pair in self.glue for pair in pairs):
+                return [self._glue_ids[pair] for pair in pairs]
+        return [self._template_ids(piece) for piece in self._render(msgs, tools)]
 
-    def _render(self, roles: Sequence[str]) -> list[str]:
-        """Render the template with placeholders and split it at them."""
+    def _render(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
+                ) -> list[str]:
+        """Render the template with a placeholder for each message's text (an empty text
+        stays empty: templates test for it) and split it at them: the pieces before each
+        message and after the last (a piece before an empty message is "", its part of
+        the template goes with the next). What the template writes out itself (tools,
+        tool calls) is encoded with control tokens recognised, so it may not hold any."""
+        marked = [i for i, m in enumerate(msgs) if m.content]
+        conversation = []
+        for i, m in enumerate(msgs):
+            item = {"role": m.role, "content": f"VCHATMSG{self._tag}N{i}E" if m.content else ""}
+            if m.tool_calls:
+                item["tool_calls"] = list(self._plain(m.tool_calls, "a tool call"))
+            if m.tool_call_id:
+                item["tool_call_id"] = self._plain(m.tool_call_id, "a tool_call_id")
+            conversation.append(item)
         rendered = self.tokenizer.apply_chat_template(
-            [{"role": role, "content": f"VCHATMSG{self._tag}N{i}E"}
-             for i, role in enumerate(roles)],
+            conversation, tools=None if tools is None else self._plain(tools, "the tools"),
             tokenize=False, add_generation_prompt=True)
         parts = self._mark.split(rendered)  # text, number, text, number, ..., text
-        if [int(n) for n in parts[1::2]] != list(range(len(roles))):
+        if [int(n) for n in parts[1::2]] != marked:
             raise ChatError("The model's chat template reorders or drops messages; this "
                             "chat cannot use it.")
-        return parts[0::2]
+        texts = iter(parts[0::2])
+        return [next(texts) if m.content else "" for m in msgs] + [next(texts)]
+
+    def _plain(self, value, what: str):
+        """`value` (text or JSON-like data the template writes out), refused when it holds
+        the model's control text: a tool named "<|im_end|>" would end the turn."""
+        if self._controls is None:
+            self._controls = [t for t in self.tokenizer.get_added_vocab() if t.strip()]
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        for token in self._controls:
+            if token in text:
+                raise ChatError(f"{what[0].upper()}{what[1:]} may not hold the model's "
+                                f"control text {token!r}.")
+        return value
 
     def _learn_glue(self) -> dict[tuple[str, str], str] | None:
         """The piece between each pair of neighbouring roles, from two probe conversations;
@@ -133,7 +171,7 @@ class ChatFormatter:
         for roles in (["system", "user", "assistant", "user", "assistant", "user"],
                       ["user", "assistant", "user", "assistant", "user", "assistant"]):
             try:
-                pieces = self._render(roles)
+                pieces = self._render([Message(role, "x") for role in roles])
             except Exception:  # a template with rules of its own: render every prompt
                 return None
             around = [START] + roles + [END]

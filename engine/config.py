@@ -93,6 +93,9 @@ class Limits:
     system_prompt_chars: int = 4000
     message_chars: int = 100_000    # longer messages are refused before any tokenizing
     turns_per_minute: int = 20      # per chat session
+    n: int = 4                      # replies to one API request (its `n`)
+    top_logprobs: int = 20          # alternatives per token an API request may ask for
+    tools: int = 128                # functions one API request may offer the model
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,8 @@ def _build_profile(source: str, where: str, body, presets: dict) -> Profile:
                       optional={f.name for f in dataclasses.fields(Limits)})
     l_kinds = {"temperature": (float, 0.0, 2.0), "max_tokens": (int, 1, None),
                "system_prompt_chars": (int, 0, None), "message_chars": (int, 1, None),
-               "turns_per_minute": (int, 1, None)}
+               "turns_per_minute": (int, 1, None), "n": (int, 1, 64),
+               "top_logprobs": (int, 0, 20), "tools": (int, 0, 1024)}
     limits_ = Limits(**{k: check_number(source, f"{where}.limits.{k}", v, l_kinds[k][0],
                                         lo=l_kinds[k][1], hi=l_kinds[k][2])
                         for k, v in l_raw.items()})

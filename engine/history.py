@@ -53,6 +53,7 @@ def fit_history(
     system_prompt: str,
     max_model_len: int,
     max_tokens: int,
+    tools: Sequence[dict] | None = None,
 ) -> Prompt:
     """Keep the newest turns that fit the context with the new message (module docstring)."""
     reserve = min(max_tokens, max_model_len // 2)
@@ -63,7 +64,7 @@ def fit_history(
     while True:
         kept = history[starts[drop]:] + [new] if drop < len(starts) else [new]
         messages = formatter.with_system(kept, system_prompt)
-        ids, ends = formatter.assemble(messages)
+        ids, ends = formatter.assemble(messages, tools)
         if len(ids) <= budget:
             break
         if drop == len(starts):

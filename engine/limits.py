@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SEED_MAX = 2**63 - 1
+PENALTY_MAX = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ def bounds(limits) -> dict[str, Bound]:
         Bound("max_tokens", "Max tokens", int, 1, limits.max_tokens),
         Bound("top_p", "Top p", float, 0.0, 1.0, lo_open=True),
         Bound("seed", "Seed", int, 0, SEED_MAX),
+        Bound("n", "Replies", int, 1, limits.n),
+        Bound("top_logprobs", "Top logprobs", int, 0, limits.top_logprobs),
+        Bound("presence_penalty", "Presence penalty", float, -PENALTY_MAX, PENALTY_MAX),
+        Bound("frequency_penalty", "Frequency penalty", float, -PENALTY_MAX, PENALTY_MAX),
     )}
 
 

@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from .base import Engine
 from .chat_format import ChatFormatter
-from .errors import ConfigError, Unavailable
+from .decoding import Decoding, Piece, piece_of
+from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt, check_fits
 from .launch import EngineSetup, process_env
 from .metrics import engine_series
@@ -195,19 +196,25 @@ class PresetEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None, session: str | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early aborts the request."""
+                     preset: str | None = None, session: str | None = None,
+                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
+        """Yield text deltas (Pieces with a `decoding`), then one TurnStats. Leaving early
+        aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._require()
         check_fits(prompt, self.max_model_len)
-        params = SamplingParams(
-            temperature=temperature, top_p=top_p, max_tokens=prompt.max_tokens, seed=seed,
-            ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
-        )
+        refused = request_errors()
+        try:
+            params = SamplingParams(
+                temperature=temperature, top_p=top_p, max_tokens=prompt.max_tokens, seed=seed,
+                ignore_eos=ignore_eos, output_kind=RequestOutputKind.DELTA,
+                **(decoding.vllm_params() if decoding else {}))
+        except refused as exc:  # vLLM's own check of what was asked (n with greedy...)
+            raise ChatError(f"The model cannot decode as asked: {_first_line(exc)}") from None
+        top = decoding.logprobs if decoding else None
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, legs, out_tokens, finish, done = None, None, 0, "abort", False
@@ -215,14 +222,23 @@ class PresetEngine(Engine):
             async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
                                              params, request_id, **self._priority(priority)):
                 completion = output.outputs[0]
-                out_tokens += len(completion.token_ids)
-                if ttft is None and completion.token_ids:
+                out_tokens += len(completion.token_ids) if decoding is None else \
+                    sum(len(choice.token_ids) for choice in output.outputs)
+                if ttft is None and out_tokens:
                     now = time.monotonic()
                     ttft, legs = now - started, first_token_legs(llm, request_id, started, now)
-                if completion.text:
-                    yield completion.text
                 if output.finished:
                     finish, done = completion.finish_reason or "stop", True
+                if decoding is not None:  # every choice's delta, as a Piece
+                    for choice in output.outputs:
+                        yield piece_of(choice, top)
+                elif completion.text:
+                    yield completion.text
+        except refused as exc:  # refused as it was added (a schema vLLM cannot compile)
+            if out_tokens:
+                raise
+            done = True
+            raise ChatError(f"The model cannot decode as asked: {_first_line(exc)}") from None
         except EngineDeadError as exc:
             done = True  # nothing left to abort
             log.error("engine %r died during turn %s: %s", self.preset, request_id, exc)
@@ -290,6 +306,15 @@ def first_token_legs(llm, request_id: str, started: float, now: float
     if not all(marks[1:4]):
         return None
     return {leg: round(b - a, 6) for leg, a, b in zip(FIRST_TOKEN_LEGS, marks, marks[1:])}
+
+
+def request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: ValueError (0.24), its own client error
+    type (0.32)."""
+    import vllm.exceptions
+
+    client = getattr(vllm.exceptions, "VLLMClientError", None)
+    return (ValueError,) if client is None else (ValueError, client)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,8 +26,9 @@ from .admission import Admission, Line
 from .base import Engine
 from .chat_format import Message
 from .config import Config, Profile
+from .decoding import Decoding, Piece
 from .errors import ChatError, ConfigError, Unavailable
-from .history import Prompt, fit_history
+from .history import Prompt, check_fits, fit_history
 from .launch import EngineGroup, EngineSetup, Machine, engine_groups, group_setup, seats
 from .llm import PresetEngine
 from .model import resolve_model
@@ -297,11 +298,25 @@ class Engines:
                 if engine.metrics is not None}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
-            system_prompt: str, max_tokens: int) -> Prompt:
-        """Fit a conversation to the context of the profile's engine (see history.py)."""
+            system_prompt: str, max_tokens: int, tools: Sequence[dict] | None = None
+            ) -> Prompt:
+        """Fit a conversation to the context of the profile's engine (see history.py), with
+        the `tools` it may call described by the model's template."""
         engine = self.for_profile(profile)
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
-                           max_model_len=engine.max_model_len, max_tokens=max_tokens)
+                           max_model_len=engine.max_model_len, max_tokens=max_tokens,
+                           tools=tools)
+
+    def raw_prompt(self, profile: str, prompt: str | list[int], max_tokens: int) -> Prompt:
+        """A prompt as given: token ids, or text encoded by the model's tokenizer with its
+        control tokens read as such (as vLLM's server reads a completion's prompt: the
+        caller writes the whole prompt), with room for `max_tokens` in the context."""
+        engine = self.for_profile(profile)
+        ids = prompt if isinstance(prompt, list) else \
+            engine.formatter.tokenizer(prompt)["input_ids"]
+        given = Prompt([], "", list(ids), max_tokens, max_tokens)
+        check_fits(given, engine.max_model_len)
+        return given
 
     def count_tokens(self, profile: str, text: str) -> int:
         """`text`'s length in tokens for the profile's model (a stopped reply's cost:
@@ -315,11 +330,13 @@ class Engines:
     async def stream(
         self, prompt: Prompt, profile: str,
         on_queued: Callable[[int], Awaitable[None]] | None = None, session: str | None = None,
-        **sampling
-    ) -> AsyncIterator[str | TurnStats]:
+        decoding: Decoding | None = None, **sampling
+    ) -> AsyncIterator[str | Piece | TurnStats]:
         """Stream one turn on the profile's engine, with the profile's sampling unless
         `sampling` (temperature, top_p, ignore_eos, seed) says otherwise; `session`: the
-        chat's key, for a remote engine's router (engine/remote.py).
+        chat's key, for a remote engine's router (engine/remote.py); `decoding`: the rest
+        of what it asks (decoding.py: then it yields Pieces), its `n` replies holding the
+        cache of n.
 
         The turn first takes a place in the engine's admission queue (admission.py):
         `on_queued(place)` hears about waiting; a ChatError says the queue is full.
@@ -331,11 +348,14 @@ class Engines:
         gate = self.admission[prof.preset]
         if self.groups[self.engine_of[prof.preset]].shared:
             sampling.update(priority=gate.priority, preset=prof.preset)
-        async with gate.slot(on_queued, tokens=prompt.prompt_tokens + prompt.max_tokens):
+        replies = decoding.n if decoding else 1
+        async with gate.slot(on_queued, tokens=prompt.prompt_tokens + replies * prompt.max_tokens):
             # Looked up once admitted: the engine may have been restarted while we waited.
             engine = self._serving(prof)
             # aclosing: when our caller leaves early, the engine's stream is closed (and its
             # request aborted) now, not whenever the garbage collector gets to it.
+            if decoding is not None:
+                sampling["decoding"] = decoding
             async with contextlib.aclosing(engine.stream(prompt, session=session,
                                                          **sampling)) as items:
                 async for item in items:

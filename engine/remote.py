@@ -28,6 +28,7 @@ import openai
 from .base import Engine
 from .chat_format import ChatFormatter
 from .config import Remote
+from .decoding import Decoding, Piece, remote_logprobs
 from .errors import Busy, ChatError, ConfigError, Unavailable
 from .history import Prompt, check_fits
 from .stats import TurnStats
@@ -219,12 +220,13 @@ class RemoteEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None, session: str | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
+                     preset: str | None = None, session: str | None = None,
+                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
         """Yield text deltas, then one TurnStats. Leaving early closes the HTTP stream,
         which makes the server abort the request. `priority` is the server's own matter;
         `session` goes in the remote block's `session_header`, for a router in front of
-        several servers to keep a chat on one of them (and its prefix cache warm)."""
+        several servers to keep a chat on one of them (and its prefix cache warm); a
+        `decoding` goes as the request's own fields (vLLM's server's)."""
         client = self._client
         if client is None:
             raise self.not_running()
@@ -237,22 +239,27 @@ class RemoteEngine(Engine):
             # The fitted prompt as token ids, not the messages: the server runs exactly what
             # was counted here, and cannot read a typed "<|im_end|>" as a control token (a
             # chat completion would apply the template to the text and re-encode it).
+            fields = decoding.completion_fields() if decoding else {"extra_body": {}}
+            if ignore_eos:
+                fields["extra_body"]["ignore_eos"] = True  # vLLM's own field
             stream = await client.completions.create(
                 model=self.remote.model, prompt=prompt.token_ids, stream=True,
                 stream_options={"include_usage": True}, max_tokens=prompt.max_tokens,
                 temperature=temperature, top_p=top_p, seed=seed,
-                extra_body={"ignore_eos": True} if ignore_eos else None,  # vLLM's own field
-                extra_headers=self._headers(request_id, session))
+                extra_headers=self._headers(request_id, session), **fields)
             async for chunk in stream:
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
-                    if choice.text:
-                        pieces += 1
-                        if ttft is None:
-                            ttft = time.monotonic() - started
-                        yield choice.text
-                    if choice.finish_reason:
+                    if choice.text and ttft is None:
+                        ttft = time.monotonic() - started
+                    pieces += bool(choice.text)
+                    if choice.finish_reason and choice.index == 0:
                         finish = choice.finish_reason
+                    if decoding is not None and (choice.text or choice.finish_reason):
+                        yield Piece(choice.index, choice.text, remote_logprobs(
+                            choice.logprobs, decoding.logprobs or 0), choice.finish_reason)
+                    elif choice.text:
+                        yield choice.text
             done = True
         except openai.APIError as exc:
             done = True  # the server ended it

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 
 from .base import Engine
 from .chat_format import ChatFormatter
+from .decoding import Decoding, Piece
+from .errors import ChatError
 from .history import Prompt, check_fits
 from .launch import EngineSetup
 from .stats import TurnStats
@@ -69,13 +71,17 @@ class StandInEngine(Engine):
 
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
-                     preset: str | None = None, session: str | None = None
-                     ) -> AsyncIterator[str | TurnStats]:
+                     preset: str | None = None, session: str | None = None,
+                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
-        (the engine never waits for its readers)."""
+        (the engine never waits for its readers). It writes filler only: a turn asking for
+        more of the decoding (stop strings, JSON, log probabilities...) is refused."""
         if not self.running:
             raise self.not_running()
+        if decoding is not None:
+            raise ChatError("The stand-in engine (benchmarks) writes filler text only; it "
+                            "cannot honour stop, penalties, JSON, tools, n or logprobs.")
         check_fits(prompt, self.max_model_len)
         max_tokens = prompt.max_tokens
         request_id = f"stand-in-{uuid.uuid4().hex}"

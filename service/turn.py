@@ -76,10 +76,17 @@ class Turn:
         metrics.begin(profile)
 
     def fit(self, history: Sequence[Message], new: Message, *, system_prompt: str,
-            max_tokens: int) -> Prompt:
+            max_tokens: int, tools: Sequence[dict] | None = None) -> Prompt:
         """The conversation fitted to the engine's context (engine/history.py)."""
         self.prompt = self.engines.fit(self.profile, history, new,
-                                       system_prompt=system_prompt, max_tokens=max_tokens)
+                                       system_prompt=system_prompt, max_tokens=max_tokens,
+                                       tools=tools)
+        return self.prompt
+
+    def take_prompt(self, prompt: str | list[int], max_tokens: int) -> Prompt:
+        """A prompt as given, text or token ids (a legacy completion: no template, no
+        history to fit), with room for `max_tokens`."""
+        self.prompt = self.engines.raw_prompt(self.profile, prompt, max_tokens)
         return self.prompt
 
     async def stream(self, prompt: Prompt,

@@ -1,0 +1,206 @@
+"""One API request answered in OpenAI's shapes (api/openai.py routes it here): its turn
+(service/turn.py) fits, streams and counts it; `Choices` (choices.py) assembles the reply,
+whole as JSON or as server-sent events. `CompletionCall` (completions.py) is the legacy
+completion's variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from api.choices import Choices
+from api.errors import ApiError
+from engine import Busy, ChatError, ConfigError, Profile, Prompt
+from engine.decoding import Piece
+from service.turn import Stopped, Turn
+
+DISCONNECT_POLL_S = 0.5
+
+
+def refusal(exc: ChatError) -> ApiError:
+    """An engine-side refusal as an HTTP answer: busy 429, not serving 503, else 400."""
+    if isinstance(exc, Busy):
+        return ApiError(429, str(exc), "rate_limit_error", "busy")
+    if isinstance(exc, ConfigError) or type(exc) is ChatError:
+        return ApiError(400, str(exc))
+    return ApiError(503, str(exc), "server_error", "unavailable")
+
+
+class Call:
+    """One chat completion in OpenAI's shapes; its turn (service/turn.py) fits, streams and
+    counts it."""
+
+    kind, chunk_kind = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, request: Request, profile: Profile, asked: dict, turn: Turn):
+        self.request, self.profile, self.asked, self.turn = request, profile, asked, turn
+        self.prompt: Prompt | None = None
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        decoding, tools = asked.get("decoding"), asked.get("tools")
+        self.choices = Choices(decoding.n if decoding else 1, tools)
+        self.logprobs = decoding is not None and decoding.logprobs is not None
+
+    def fit(self) -> Prompt:
+        tools = self.asked["tools"]
+        return self.turn.fit(self.asked["history"], self.asked["new"],
+                             system_prompt=self.asked["system_prompt"],
+                             max_tokens=self.asked["max_tokens"],
+                             tools=None if tools is None else list(tools.specs))
+
+    def items(self) -> AsyncIterator[str | Piece]:
+        return self.turn.stream(self.prompt, decoding=self.asked["decoding"],
+                                **self.asked["sampling"])
+
+    def end(self, exc: BaseException | None = None) -> None:
+        self.turn.reply = self.choices.text(0)
+        self.turn.end(exc)
+
+    def failed(self, exc: BaseException) -> Response:
+        """An unexpected error: logged with its trace (service/turn.py), answered in words."""
+        self.end(exc)
+        return ApiError(500, "Something went wrong on our side; it has been logged. "
+                        "Please try again.", "server_error").response()
+
+    async def whole(self) -> Response:
+        try:
+            await until_gone(self.request, self._collect())
+        except ChatError as exc:
+            self.end(exc)
+            return refusal(exc).response()
+        except ClientGone as exc:
+            self.end(exc)
+            return Response(status_code=499)
+        except Exception as exc:
+            return self.failed(exc)
+        self.end()
+        return JSONResponse({**self.head(self.kind), "choices": self.whole_choices(),
+                             "usage": self.usage()})
+
+    def whole_choices(self) -> list[dict]:
+        return self.choices.messages(self.turn.stats.finish_reason, self.logprobs)
+
+    async def _collect(self) -> None:
+        async for item in self.items():
+            self.choices.take(item)
+
+    async def streamed(self, include_usage: bool) -> Response:
+        """Server-sent events. The first piece is awaited before answering, so a refusal
+        (busy, not serving, too long) is still an HTTP status, not an event."""
+        items = self.items_or_refusal()
+        try:
+            first = await until_gone(self.request, first_of(items))
+        except ApiError as exc:
+            return exc.response()
+        except ClientGone as exc:
+            await items.aclose()
+            self.end(exc)
+            return Response(status_code=499)
+        except Exception as exc:
+            await items.aclose()
+            return self.failed(exc)
+        return StreamingResponse(self.events(first, items, include_usage),
+                                 media_type="text/event-stream")
+
+    async def items_or_refusal(self) -> AsyncIterator[str | Piece]:
+        try:
+            async for text in self.items():
+                yield text
+        except ChatError as exc:
+            self.end(exc)
+            raise refusal(exc) from None
+
+    async def events(self, first: str | Piece | None, items, include_usage: bool
+                     ) -> AsyncIterator[str]:
+        # Leaving early (the client went away: Starlette cancels this generator) closes
+        # `items`, which aborts the request in the engine.
+        try:
+            for chunk in self.opening():
+                yield chunk
+            item = first
+            while item is not None:
+                piece = self.choices.take(item)
+                for choice, finish in self.piece_chunks(piece):
+                    yield self.chunk(piece.index, choice, finish)
+                item = await first_of(items)
+            for index in self.choices.open():  # the plain path ends in the turn's stats
+                for choice, finish in self.ending(index):
+                    yield self.chunk(index, choice, finish)
+            if include_usage:
+                yield sse({**self.head(self.chunk_kind), "choices": [],
+                           "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+            self.end()
+        except ApiError as exc:  # refused mid-stream (the engine died): said as an event
+            yield sse({"error": {"message": str(exc), "type": exc.kind, "code": exc.code}})
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            self.end(exc)
+            raise
+        except Exception as exc:
+            self.end(exc)
+            raise
+        finally:
+            await items.aclose()
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.profile.name}
+
+    def opening(self) -> list[str]:
+        """Each choice's first chunk: its role."""
+        return [self.chunk(i, {"delta": {"role": "assistant", "content": ""}})
+                for i in range(len(self.choices.texts))]
+
+    def piece_chunks(self, piece: Piece) -> list[tuple[dict, str | None]]:
+        return self.choices.deltas(piece, self.logprobs)
+
+    def ending(self, index: int) -> list[tuple[dict, str | None]]:
+        return self.choices.ending(index, self.turn.stats.finish_reason)
+
+    def chunk(self, index: int, choice: dict, finish_reason: str | None = None) -> str:
+        return sse({**self.head(self.chunk_kind), "choices": [
+            {"index": index, **choice, "finish_reason": finish_reason}]})
+
+    def usage(self) -> dict:
+        s = self.turn.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens,
+                "total_tokens": s.prompt_tokens + s.output_tokens}
+
+
+async def first_of(items: AsyncIterator[str]) -> str | None:
+    """The next piece, or None once there is none."""
+    try:
+        return await anext(items)
+    except StopAsyncIteration:
+        return None
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class ClientGone(Stopped):
+    """The client closed its connection before the answer."""
+
+
+async def until_gone(request: Request, awaitable):
+    """`awaitable`'s result, or ClientGone (and it cancelled: the engine's request aborted)
+    when the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

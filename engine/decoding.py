@@ -1,0 +1,112 @@
+"""What a turn may ask of decoding beyond its temperature, top_p and seed (the OpenAI API's
+fields: api/requests.py reads and bounds them), in vLLM's terms, and what such a turn yields.
+
+A turn that asks for none of it (every chat turn, most API requests) passes no `Decoding`
+and runs the engines' plain path: text only, one reply. A turn with a `Decoding` gets
+`Piece`s: each choice's text with its index, its tokens' log probabilities where asked, and
+its finish reason on its last piece.
+
+    decoding = Decoding(n=2, stop=("\\n\\n",), logprobs=3, json_object=True)
+    async for item in engines.stream(prompt, profile, decoding=decoding):
+        ...  # Piece(index, text, logprobs, finish_reason), then one TurnStats
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Decoding:
+    n: int = 1  # replies to the one prompt (vLLM's parallel sampling; a seed gives seed + i)
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these (not included)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: no
+    json_schema: dict | None = field(default=None, hash=False)  # the reply follows it
+    json_object: bool = False  # the reply is a JSON object
+    special_tokens: bool = False  # kept in the text (Qwen's tool-call markers are special)
+
+    def structured(self) -> dict | None:
+        """vLLM's structured outputs for the reply's form (StructuredOutputsParams'
+        fields), or None for free text."""
+        if self.json_schema is not None:
+            return {"json": self.json_schema}
+        if self.json_object:
+            return {"json_object": True}
+        return None
+
+    def vllm_params(self) -> dict:
+        """Arguments for vLLM's SamplingParams."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = self.structured()
+        return {"n": self.n, "stop": list(self.stop) or None,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "logit_bias": dict(self.logit_bias) or None, "logprobs": self.logprobs,
+                "skip_special_tokens": not self.special_tokens,
+                "structured_outputs": StructuredOutputsParams(**structured)
+                if structured else None}
+
+    def completion_fields(self) -> dict:
+        """The same, as fields of a vLLM server's /v1/completions request (a remote
+        preset: engine/remote.py): the OpenAI ones, and vLLM's own under "extra_body"."""
+        extra = {"skip_special_tokens": not self.special_tokens}
+        if (structured := self.structured()) is not None:
+            extra["structured_outputs"] = structured
+        return {"n": self.n, "stop": list(self.stop) or None,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "logit_bias": {str(k): v for k, v in self.logit_bias} or None,
+                "logprobs": self.logprobs, "extra_body": extra}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability, and the likeliest tokens at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # (token, logprob), likeliest first
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int  # the choice it belongs to
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None  # where asked: one per token of `text`
+    finish_reason: str | None = None  # on the choice's last piece
+
+
+def piece_of(completion, top: int | None) -> Piece:
+    """A Piece from one of vLLM's CompletionOutputs (a delta), with `top` alternatives per
+    token where log probabilities were asked for."""
+    logprobs = None
+    if top is not None and completion.logprobs is not None:
+        logprobs = tuple(token_logprob(token_id, alternatives, top) for token_id, alternatives
+                         in zip(completion.token_ids, completion.logprobs))
+    finish = completion.finish_reason if completion.finished() else None
+    return Piece(completion.index, completion.text, logprobs, finish)
+
+
+def token_logprob(token_id: int, alternatives: dict, top: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob} at one place (the chosen token and the `top` likeliest)."""
+    chosen = alternatives[token_id]
+    ranked = sorted((p for p in alternatives.values() if p.rank is not None and p.rank <= top),
+                    key=lambda p: p.rank)
+    return TokenLogprob(chosen.decoded_token or "", chosen.logprob,
+                        tuple((p.decoded_token or "", p.logprob) for p in ranked))
+
+
+def remote_logprobs(logprobs, top: int) -> tuple[TokenLogprob, ...] | None:
+    """A /v1/completions choice's log probabilities (tokens, token_logprobs, top_logprobs:
+    vLLM's server puts the chosen token among the alternatives) as TokenLogprobs with the
+    `top` likeliest."""
+    if logprobs is None or not logprobs.tokens:
+        return None
+    tops = logprobs.top_logprobs or [None] * len(logprobs.tokens)
+    return tuple(TokenLogprob(token, logprob if logprob is not None else float("-inf"),
+                              tuple(sorted((alt or {}).items(), key=lambda kv: -kv[1])[:top]))
+                 for token, logprob, alt in zip(logprobs.tokens, logprobs.token_logprobs, tops))
