@@ -27,7 +27,8 @@ from engine.limits import bounds
 FIELDS = frozenset((
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream",
     "stream_options", "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
-    "logprobs", "response_format", "user", "ignore_eos", "echo", "suffix", "best_of"))
+    "logprobs", "response_format", "user", "ignore_eos", "top_k", "min_p",
+    "repetition_penalty", "echo", "suffix", "best_of"))
 DEFAULT_MAX_TOKENS = 16
 NO_OPS = {"echo": False, "suffix": "", "best_of": 1}
 

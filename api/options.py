@@ -1,6 +1,7 @@
 """The decoding fields of an OpenAI request, read and bounded into the engine's `Decoding`
 (engine/decoding.py): `n`, `stop`, the penalties, `logit_bias`, `logprobs` /
-`top_logprobs`, `response_format`, and what `tools` ask of the decoding (api/tools.py).
+`top_logprobs`, `response_format`, vLLM's `top_k`, `min_p` and `repetition_penalty`, and
+what `tools` ask of the decoding (api/tools.py).
 
 A request that asks for none of it gets no Decoding and runs the engines' plain path.
 Each number is held to the profile's bounds (engine/limits.py: `n` and `top_logprobs` by
@@ -22,6 +23,10 @@ STOP_CHARS = 200  # characters in one stop sequence
 MAX_BIASED = 300  # tokens in one logit_bias
 BIAS_MAX = 100  # a bias, either way (OpenAI's range)
 FORMATS = ("text", "json_object", "json_schema")
+# The numbers read as they are, within engine/limits.py's bounds: OpenAI's, then vLLM's own
+# sampling fields (which `vllm serve` takes too; Qwen's model card recommends top_k 20).
+NUMBERS = ("n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+           "repetition_penalty")
 
 
 def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool = True
@@ -31,13 +36,15 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
     completion: logprobs is the number of alternatives)."""
     checks = bounds(profile.limits)
     asked = {}
-    for name in ("n", "presence_penalty", "frequency_penalty"):
+    for name in NUMBERS:
         value = body.get(name)
         if value is not None:
             if not checks[name].holds(value):
                 raise ApiError(400, f"'{name}' must be a number {checks[name].span()} for "
                                f"{profile.name}, got {str(value)[:50]!r}.")
             asked[name] = value
+    if asked.get("top_k") == -1:  # vLLM's other word for "off"
+        asked["top_k"] = 0
     asked["stop"] = stops(body.get("stop"))
     asked["logit_bias"] = logit_bias(body.get("logit_bias"))
     asked["logprobs"] = logprobs(body, checks["top_logprobs"], profile, chat)

@@ -28,12 +28,13 @@ MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_
 # The fields of a chat completion this server honours (README, "The API's fields"); any
 # other is refused by name, never silently ignored. `user` (an end user's id, for the
 # provider's abuse monitoring) is accepted and not used, as by `vllm serve`; `ignore_eos`
-# is vLLM's own (its benchmark client sends it: every reply runs to max_tokens).
+# (its benchmark client sends it: every reply runs to max_tokens), `top_k`, `min_p` and
+# `repetition_penalty` are vLLM's own.
 FIELDS = frozenset((
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stream", "stream_options", "n", "stop", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls", "user", "ignore_eos"))
+    "parallel_tool_calls", "user", "ignore_eos", "top_k", "min_p", "repetition_penalty"))
 
 
 SESSION_HEADER = "X-Session-Id"

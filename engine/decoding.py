@@ -23,6 +23,9 @@ class Decoding:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    top_k: int = 0  # sample among the k likeliest tokens (0: all); vLLM's own, as min_p
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability
+    repetition_penalty: float = 1.0  # vLLM's own: above 1 discourages repeating tokens
     logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: no
     json_schema: dict | None = field(default=None, hash=False)  # the reply follows it
     json_object: bool = False  # the reply is a JSON object
@@ -46,6 +49,8 @@ class Decoding:
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty,
                 "logit_bias": dict(self.logit_bias) or None, "logprobs": self.logprobs,
+                "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty,
                 "skip_special_tokens": not self.special_tokens,
                 "structured_outputs": StructuredOutputsParams(**structured)
                 if structured else None}
@@ -53,7 +58,8 @@ class Decoding:
     def completion_fields(self) -> dict:
         """The same, as fields of a vLLM server's /v1/completions request (a remote
         preset: engine/remote.py): the OpenAI ones, and vLLM's own under "extra_body"."""
-        extra = {"skip_special_tokens": not self.special_tokens}
+        extra = {"skip_special_tokens": not self.special_tokens, "top_k": self.top_k,
+                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
         if (structured := self.structured()) is not None:
             extra["structured_outputs"] = structured
         return {"n": self.n, "stop": list(self.stop) or None,

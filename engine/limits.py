@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SEED_MAX = 2**63 - 1
-PENALTY_MAX = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
+PENALTY_MAX = 2.0  # presence and frequency penalties, as OpenAI's API bounds them (and
+# vLLM's repetition penalty, a factor: 1 is none)
+TOP_K_MAX = 1000  # vLLM's top_k (-1 or 0: off); more alternatives than this change nothing
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ def bounds(limits) -> dict[str, Bound]:
         Bound("top_logprobs", "Top logprobs", int, 0, limits.top_logprobs),
         Bound("presence_penalty", "Presence penalty", float, -PENALTY_MAX, PENALTY_MAX),
         Bound("frequency_penalty", "Frequency penalty", float, -PENALTY_MAX, PENALTY_MAX),
+        Bound("top_k", "Top k", int, -1, TOP_K_MAX),
+        Bound("min_p", "Min p", float, 0.0, 1.0),
+        Bound("repetition_penalty", "Repetition penalty", float, 0.0, PENALTY_MAX,
+              lo_open=True),
     )}
 
 

@@ -211,6 +211,25 @@ async def test_penalties_change_the_reply_as_in_vllm_serve(servers):
         assert ours.choices[0].message.content != free.choices[0].message.content
 
 
+async def test_vllms_own_sampling_fields_are_honoured_as_in_vllm_serve(servers):
+    """top_k 1 and min_p 1 keep only the likeliest token: sampling at temperature 1 then
+    gives the greedy reply; a repetition penalty changes the greedy reply, in both alike."""
+    prompt = ask("Describe the sea in detail.")
+    greedy, _ = await both(servers, messages=prompt, max_tokens=24, **GREEDY)
+    sampled = {"temperature": 1.0, "top_p": 1.0, "seed": 3}
+    free, _ = await both(servers, messages=prompt, max_tokens=24, **sampled)
+    assert free.choices[0].message.content != greedy.choices[0].message.content
+    for fields in ({"top_k": 1}, {"min_p": 1.0}):
+        ours, theirs = await both(servers, messages=prompt, max_tokens=24,
+                                  extra_body=fields, **sampled)
+        assert ours.choices[0].message.content == theirs.choices[0].message.content == \
+            greedy.choices[0].message.content
+    ours, theirs = await both(servers, messages=prompt, max_tokens=24,
+                              extra_body={"repetition_penalty": 1.5}, **GREEDY)
+    assert ours.choices[0].message.content == theirs.choices[0].message.content != \
+        greedy.choices[0].message.content
+
+
 async def test_a_logit_bias_bans_a_token_in_both(servers, token_ids):
     prompt = ask("Name a colour.")
     free, _ = await both(servers, messages=prompt, max_tokens=4, logprobs=True, **GREEDY)
@@ -278,7 +297,7 @@ def token_ids():
 REFUSED = [
     # (extra fields, words the 400 must hold)
     ({"functions": [{"name": "f"}]}, "'functions' is not supported"),
-    ({"top_k": 5}, "'top_k' is not supported"),
+    ({"min_tokens": 5}, "'min_tokens' is not supported"),
     ({"n": 5}, "'n' must be a number from 1 to 4 for Throughput-first"),
     ({"top_logprobs": 3}, "needs 'logprobs': true"),
     ({"logit_bias": {"99999999": 5}}, "out-of-vocab"),

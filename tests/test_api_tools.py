@@ -111,6 +111,10 @@ PROFILE = load_config().profile("Throughput-first")
     ({"n": 5}, "'n' must be a number from 1 to 4"),
     ({"n": 0}, "'n'"),
     ({"presence_penalty": 2.5}, "'presence_penalty' must be a number from -2 to 2"),
+    ({"top_k": 1001}, "'top_k' must be a number from -1 to 1000"),
+    ({"top_k": 2.5}, "'top_k'"),
+    ({"min_p": 1.5}, "'min_p' must be a number from 0 to 1"),
+    ({"repetition_penalty": 0}, "'repetition_penalty' must be a number above 0 and at most 2"),
     ({"frequency_penalty": "1"}, "'frequency_penalty'"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
     ({"stop": [""]}, "non-empty"),
@@ -141,6 +145,11 @@ def test_decoding_fields_become_the_engines_decoding_and_defaults_none():
     assert asked == Decoding(n=2, stop=("END",), presence_penalty=0.5,
                              logit_bias=((42, -100.0),), logprobs=3, json_object=True)
     assert asked.vllm_params()["structured_outputs"].json_object is True
+    assert read_decoding({"top_k": -1}, PROFILE, None) is None  # vLLM's "off", as 0
+    vllms = read_decoding({"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}, PROFILE,
+                          None)
+    assert (vllms.vllm_params()["top_k"], vllms.completion_fields()["extra_body"]["min_p"]) \
+        == (20, 0.05)
     assert asked.completion_fields()["logit_bias"] == {"42": -100.0}
     with_tools = read_decoding({}, PROFILE, tools())
     assert with_tools == Decoding(special_tokens=True)
