@@ -17,12 +17,11 @@ from api.call import Call
 from api.choices import legacy_logprobs
 from api.errors import ApiError
 from api.options import read_decoding
-from api.requests import (extra_fields, given, json_body, only_known, profile_of, streaming,
-                          within)
+from api.requests import (extra_fields, given, json_body, only_known, profile_of,
+                          sampling_of, streaming)
 from engine import Message, Profile, Prompt
 from engine.config import Config
 from engine.decoding import Piece
-from engine.limits import bounds
 
 FIELDS = frozenset((
     "model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream",
@@ -46,21 +45,13 @@ def read_completion(raw: bytes, config: Config) -> tuple[Profile, dict]:
     stream, include_usage = streaming(body)
     extras = extra_fields(body)
     text, ids = prompt_of(body.get("prompt"), profile.limits.message_chars)
-    sampling = {"max_tokens": given(body, "max_tokens", DEFAULT_MAX_TOKENS),
-                "temperature": given(body, "temperature", profile.sampling.temperature),
-                "top_p": given(body, "top_p", profile.sampling.top_p),
-                "seed": given(body, "seed", None)}
-    checks = bounds(profile.limits)
-    for name, value in sampling.items():
-        if value is not None:
-            within(checks[name], value, profile)
-    max_tokens = sampling.pop("max_tokens")
+    max_tokens = given(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    sampling = sampling_of(body, profile, max_tokens)
     return profile, {"new": Message("user", text), "prompt": text if ids is None else ids,
                      "max_tokens": max_tokens, "stream": stream,
                      "include_usage": include_usage, "tools": None, **extras,
                      "decoding": read_decoding(body, profile, None, chat=False),
-                     "sampling": {"temperature": float(sampling["temperature"]),
-                                  "top_p": float(sampling["top_p"]), "seed": sampling["seed"]}}
+                     "sampling": sampling}
 
 
 def prompt_of(prompt, max_chars: int) -> tuple[str, list[int] | None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine import Profile
 from engine.decoding import Decoding
-from engine.limits import bounds
+from engine.limits import Bound, bounds
 
 from api.errors import ApiError
 from api.tools import Tools
@@ -39,9 +39,7 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
     for name in NUMBERS:
         value = body.get(name)
         if value is not None:
-            if not checks[name].holds(value):
-                raise ApiError(400, f"'{name}' must be a number {checks[name].span()} for "
-                               f"{profile.name}, got {str(value)[:50]!r}.")
+            within(checks[name], value, profile)
             asked[name] = value
     if asked.get("top_k") == -1:  # vLLM's other word for "off"
         asked["top_k"] = 0
@@ -58,6 +56,13 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
         asked["special_tokens"] = tools.marks_calls
     decoding = Decoding(**asked, json_schema=schema, json_object=json_object)
     return None if decoding == Decoding() else decoding
+
+
+def within(bound: Bound, value, profile: Profile, name: str | None = None) -> None:
+    """A 400 naming the field (`name`, else the bound's) unless `value` keeps `bound`."""
+    if not bound.holds(value):
+        raise ApiError(400, f"'{name or bound.name}' must be a number {bound.span()} for "
+                       f"{profile.name}, got {str(value)[:50]!r}.")
 
 
 def stops(stop) -> tuple[str, ...]:
@@ -93,9 +98,8 @@ def logprobs(body: dict, bound, profile: Profile, chat: bool) -> int | None:
     """Alternatives per token to return (0: the chosen token's only), None: none asked."""
     if not chat:
         top = body.get("logprobs")
-        if top is not None and not bound.holds(top):
-            raise ApiError(400, f"'logprobs' must be a number {bound.span()} for "
-                           f"{profile.name}, got {str(top)[:50]!r}.")
+        if top is not None:
+            within(bound, top, profile, "logprobs")
         return top
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
@@ -103,9 +107,7 @@ def logprobs(body: dict, bound, profile: Profile, chat: bool) -> int | None:
     if top is not None:
         if not wanted:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true.")
-        if not bound.holds(top):
-            raise ApiError(400, f"'top_logprobs' must be a number {bound.span()} for "
-                           f"{profile.name}, got {str(top)[:50]!r}.")
+        within(bound, top, profile)
     return (top or 0) if wanted else None
 
 

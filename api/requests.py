@@ -16,12 +16,12 @@ import json
 import re
 
 from api.errors import ApiError
-from api.options import read_decoding
+from api.options import read_decoding, within
 from api.tools import read_tools
 from engine import ChatError, Message, Profile
 from engine.chat_format import API_ROLES
 from engine.config import Config
-from engine.limits import Bound, bounds, system_prompt_fits
+from engine.limits import bounds, system_prompt_fits
 from service.input import check_message
 
 MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_BODY_MB)
@@ -84,7 +84,7 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
     """The request checked against the profile's limits: (profile, the turn's parts).
     A field given as null means its default, as in OpenAI's API."""
     profile = profile_of(body, config)
-    limits, sampling = profile.limits, profile.sampling
+    limits = profile.limits
     only_known(body, FIELDS)
     stream, include_usage = streaming(body)
     extras = extra_fields(body)
@@ -100,24 +100,28 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
         raise ApiError(400, f"The system prompt is {len(system_prompt):,} characters; "
                        f"{profile.name} takes at most {limits.system_prompt_chars:,}.")
     max_tokens = given(body, "max_completion_tokens",
-                       given(body, "max_tokens", sampling.max_tokens))
-    temperature = given(body, "temperature", sampling.temperature)
-    top_p = given(body, "top_p", sampling.top_p)
-    seed = given(body, "seed", None)
-    asked = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-    if seed is not None:
-        asked["seed"] = seed
-    checks = bounds(limits)
-    for name, value in asked.items():
-        within(checks[name], value, profile)
+                       given(body, "max_tokens", profile.sampling.max_tokens))
+    sampling = sampling_of(body, profile, max_tokens)
     last = history[-1]
     return profile, {"history": history[:-1],
                      "new": Message(last.role, new.text, tool_call_id=last.tool_call_id),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
                      "stream": stream, "include_usage": include_usage,
-                     "tools": tools, "decoding": decoding, **extras,
-                     "sampling": {"temperature": float(temperature),
-                                  "top_p": float(top_p), "seed": seed}}
+                     "tools": tools, "decoding": decoding, **extras, "sampling": sampling}
+
+
+def sampling_of(body: dict, profile: Profile, max_tokens) -> dict:
+    """The turn's temperature, top_p and seed (the profile's defaults where not given),
+    each and `max_tokens` held to the profile's bounds."""
+    temperature = given(body, "temperature", profile.sampling.temperature)
+    top_p = given(body, "top_p", profile.sampling.top_p)
+    seed = given(body, "seed", None)
+    checks = bounds(profile.limits)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            within(checks[name], value, profile)
+    return {"temperature": float(temperature), "top_p": float(top_p), "seed": seed}
 
 
 def only_known(body: dict, fields: frozenset) -> None:
@@ -222,7 +226,3 @@ def content_text(content, where: str) -> str:
     raise ApiError(400, f"{where} must be text (a string or a list of text parts).")
 
 
-def within(bound: Bound, value, profile: Profile) -> None:
-    if not bound.holds(value):
-        raise ApiError(400, f"'{bound.name}' must be a number {bound.span()} for "
-                       f"{profile.name}, got {str(value)[:50]!r}.")
