@@ -15,8 +15,10 @@ setup:
 model: setup
 	@$(PY) -m engine prepare
 
+# One app process (`chainlit run app.py`), or with a GPU several sharing each engine's core
+# (service/front_ends.py; VCHAT_FRONT_ENDS).
 run: model
-	$(VENV)/bin/chainlit run app.py --headless --host $(HOST) --port $(PORT)
+	$(PY) -m service.front_ends --host $(HOST) --port $(PORT)
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)

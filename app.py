@@ -24,6 +24,7 @@ from api.openai import OpenAIApi
 from api.ops import Ops
 from chat import emits, forget, stalls
 from chat.downloads import Downloads
+from chat.front_ends import SessionRouting
 from chat.guard import Guard
 from chat.invites import InvitePage, OpenDemo
 from chat.logins import Logins, slow_failing_addresses
@@ -36,7 +37,7 @@ from chat.turns import REGENERATE, Turns, user_name
 from chat.view import CLOSING, CUT_OFF, RANDOM_WEIGHTS, STAND_IN, page_notice
 from engine import ChatError, ConfigError, Engines, Message, load_config
 from engine.settings import check_all, setting
-from service import loop
+from service import front_ends, loop
 from service.input import check_message
 from service.shutdown import Shutdown
 from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
@@ -124,13 +125,19 @@ try:
                   quota=USAGE.refusal, guest_turn=GUESTS.turn_refusal)
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
+    # One of several processes sharing each engine's core (service/front_ends.py): calls
+    # naming a chat session reach the one holding it, and pages use WebSockets only.
+    FRONT_END = front_ends.current()
+    if FRONT_END is not None and FRONT_END.count > 1:
+        http.add_middleware(SessionRouting, front=FRONT_END)
+        chainlit_config.project.transports = ["websocket"]
     # VCHAT_DEMO=open: anyone who opens the page chats as a guest (chat/invites.py), and
     # every page's banner says it is a demo.
     DEMO = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY")) \
         if setting("VCHAT_DEMO") == "open" else None
     # GET /ready, /notice and /metrics (api/ops.py), the app's series by profile in it.
     OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice if DEMO is None else (
-        lambda status: page_notice(status) or DEMO.banner(GUESTS.retention_days)))
+        lambda status: page_notice(status) or DEMO.banner(GUESTS.retention_days)), FRONT_END)
     http.include_router(OPS.router)
     # GET /export/chats[/ID]: a user's own chats as Markdown or JSON (chat/downloads.py).
     http.include_router(Downloads(STORE.engine).router)

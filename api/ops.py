@@ -2,34 +2,43 @@
 
     GET /ready    readiness: 200 once every engine is up, 503 while starting, stopping or
                   after a failure, with each engine's health, seats and line, the turns in
-                  flight, and whether the database answers and which writes it refused
+                  flight, and whether the database answers and which writes it refused;
+                  with several front ends (service/front_ends.py), which one answered
     GET /notice   what every open page says above the chat about the engines' state
                   (public/model-status.js): always 200
     GET /metrics  Prometheus' text format: the app's series (service/turn_metrics.py), every
-                  engine's vLLM series by preset (engine/metrics.py), the process's own
+                  engine's vLLM series by preset (engine/metrics.py), the process's own;
+                  with several front ends every one's, labelled `front_end`
 
 None needs a login (probes and scrapers have none) and none holds a user's name or text.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
 from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import Engines
 from engine.metrics import PresetSeries
+from service.front_ends import PEER_HEADER
 
 
 class Ops:
     """The routes (`router`) and the registry behind /metrics (`registry`: the app's own
     series register there)."""
 
-    def __init__(self, engines: Engines, shutdown, store, page_notice: Callable[[str], str]):
+    def __init__(self, engines: Engines, shutdown, store, page_notice: Callable[[str], str],
+                 front_end=None):
         self.engines, self.shutdown, self.store = engines, shutdown, store
+        self.front_end = front_end  # service.front_ends.FrontEnd, when one of several
         self.page_notice = page_notice
         self.registry = CollectorRegistry()
         self.registry.register(PresetSeries(engines.metric_registries))
@@ -46,6 +55,9 @@ class Ops:
         health["store"] = {"reachable": await self.store.healthy(),
                            "failed_writes": self.store.failures,
                            "last_failure": self.store.last_failure}
+        if self.front_end is not None:  # whose answer this is: the engines as it sees them
+            health["front_end"] = {"index": self.front_end.index,
+                                   "count": self.front_end.count, "pid": os.getpid()}
         if self.shutdown.closing:
             health["status"] = "stopping"
         return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
@@ -55,5 +67,36 @@ class Ops:
         status = "stopping" if self.shutdown.closing else (await self.engines.health())["status"]
         return JSONResponse({"ready": status == "ok", "notice": self.page_notice(status)})
 
-    async def metrics(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self, request: Request) -> Response:
+        """This process's series; with several front ends, every front end's, each sample
+        labelled with its `front_end` (a peer asking gets this one's alone)."""
+        own = generate_latest(self.registry)
+        front = self.front_end
+        if front is None or front.count == 1 or front.from_peer(request.headers.get(PEER_HEADER)):
+            return Response(own, media_type=CONTENT_TYPE_LATEST)
+        texts = {front.index: own.decode(), **await front.ask_peers("/metrics")}
+        return Response(labelled(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+def labelled(texts: dict[int, str]) -> bytes:
+    """Prometheus texts of several front ends as one, each sample with its `front_end`."""
+    families: dict[str, Metric] = {}
+    for index, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(
+                family.name, family.documentation, family.type, family.unit))
+            merged.samples += [sample._replace(labels={**sample.labels, "front_end": str(index)})
+                               for sample in family.samples]
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector of metric families already gathered."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry
 
 from .base import Engine
 from .chat_format import ChatFormatter
+from .cores import link_of, vllm_config_of
 from .decoding import Decoding, Piece, piece_of
-from .errors import ChatError, ConfigError, Unavailable
+from .errors import ChatError, Unavailable
 from .history import Prompt, check_fits
 from .launch import EngineSetup, process_env
 from .metrics import engine_series
 from .stats import FIRST_TOKEN_LEGS, TurnStats
-from .steps import STEP_CLASSES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -107,24 +107,20 @@ class PresetEngine(Engine):
                  self.started_in_s, self.max_model_len)
 
     def _build(self):
-        from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         registry = CollectorRegistry()  # a restarted engine registers its series anew
+        link = link_of(self.preset)  # a front end of several: the core runs elsewhere
         with process_env(self.setup.env):  # read by vLLM here and by the processes it starts
-            try:
-                vllm_config = AsyncEngineArgs(**self.setup.args).create_engine_config()
-            except (ValueError, TypeError) as exc:  # vLLM's own check of the option set
-                raise ConfigError("profiles.yaml", f"presets.{self.preset}.vllm",
-                                  f"vLLM refused these options: {_first_line(exc)}") from exc
-            if STEP_CLASSES_KEY in (vllm_config.additional_config or {}):
-                from .scheduler import scheduler_for  # vLLM's scheduler: loaded only here
-
-                vllm_config.scheduler_config.scheduler_cls = scheduler_for(vllm_config)
-            with neutral_main(), importable_here():
+            vllm_config = vllm_config_of(self.setup, self.preset, link)
+            loggers = [self.step_stats.logger_factory(), engine_series(registry)]
+            if link is not None:
                 llm = AsyncLLM.from_vllm_config(
-                    vllm_config,
-                    stat_loggers=[self.step_stats.logger_factory(), engine_series(registry)])
+                    vllm_config, stat_loggers=loggers, client_addresses=dict(link.addresses),
+                    client_count=link.count, client_index=link.index)
+            else:
+                with neutral_main(), importable_here():
+                    llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=loggers)
         self.metrics = registry
         with self._lock:
             if not self._abandoned:
@@ -140,6 +136,12 @@ class PresetEngine(Engine):
     @property
     def running(self) -> bool:
         return self._llm is not None and not self._llm.errored
+
+    @property
+    def restartable(self) -> bool:
+        """Not a front end's client of a core started elsewhere: its launcher ends every
+        front end when a core dies (service/front_ends.py), for its supervisor to restart."""
+        return link_of(self.preset) is None
 
     @property
     def llm(self):

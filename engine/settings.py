@@ -70,6 +70,18 @@ def text(value: str) -> str:
     return value
 
 
+def auto_or(parse: Callable[[str], int]) -> Callable[[str], int | str]:
+    """`auto`, or what `parse` reads."""
+    def read(value: str) -> int | str:
+        if value.strip() == "auto":
+            return "auto"
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise ValueError(f"must be auto or {str(exc).removeprefix('must be ')}") from None
+    return read
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -159,6 +171,9 @@ SETTINGS = {s.name: s for s in (
             "the server's event loop: Python's asyncio or uvloop (slower on the H200 here, "
             "BENCHMARKS.md); either with asyncio's C tasks, not the Python ones Chainlit's "
             "nest_asyncio puts there"),
+    Setting("VCHAT_FRONT_ENDS", auto_or(whole(1)), "auto", "app processes sharing each "
+            "engine's core under `make run` (service/front_ends.py); auto: with an NVIDIA GPU "
+            "one per 4 cores, at most 4; without, 1. `chainlit run app.py` is always one"),
     Setting("VCHAT_SHUTDOWN_GRACE_S", number(0), "10",
             "on SIGTERM/Ctrl+C, how long replies being written may still take"),
     Setting("VCHAT_LOG_FORMAT", one_of("text", "json"), "text",

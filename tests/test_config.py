@@ -221,14 +221,18 @@ def with_settings(extra: dict, call):
 
 def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():
     env = {**os.environ, "VCHAT_ENFORCE_EAGER": "ture", "VCHAT_SHUTDOWN_GRACE_S": "soon"}
-    check, app = side_by_side(  # at once: each spends ~15 s importing vLLM
+    check, app, launcher = side_by_side(  # at once: each spends ~15 s importing vLLM
         ([sys.executable, "-m", "engine", "check"], env),
         (chainlit_command() + ["run", "app.py", "--headless", "--port", "0"],
-         {**env, "VCHAT_ENFORCE_EAGER": "1"}))
+         {**env, "VCHAT_ENFORCE_EAGER": "1"}),
+        ([sys.executable, "-m", "service.front_ends", "--port", "0"],  # what `make run` runs
+         {**env, "VCHAT_FRONT_ENDS": "none"}))
     assert check.returncode == 2 and "Traceback" not in check.stderr
     assert "VCHAT_ENFORCE_EAGER" in check.stderr and "'ture'" in check.stderr
     assert app.returncode != 0 and "Traceback" not in app.stdout + app.stderr
     assert "Configuration error: environment: VCHAT_SHUTDOWN_GRACE_S" in app.stderr
+    assert launcher.returncode != 0 and "Traceback" not in launcher.stdout + launcher.stderr
+    assert "Configuration error: environment: VCHAT_" in launcher.stderr
 
 
 CPU = Machine(gpu=False, cores=2, cpu_flags=frozenset({"avx512f", "avx512_fp16"}))

@@ -183,6 +183,14 @@ class ChatClient:
         end = await self.wait_for("task_end", since=start, timeout=timeout)
         return self.collect(start, end + 1)
 
+    async def wait_for_tokens(self, since: int, count: int, timeout: float = 120.0) -> None:
+        """Until `count` streamed tokens have arrived after event `since` (a reply is
+        streaming: Stop it now, say)."""
+        deadline = time.monotonic() + timeout
+        while len([e for e in self.events[since:] if e.name == "stream_token"]) < count:
+            assert time.monotonic() < deadline, "no reply streaming"
+            await asyncio.sleep(0.01)
+
     async def emit_message(self, text: str) -> str:
         """Send a user message; its id (for `edit`)."""
         message_id = str(uuid.uuid4())
@@ -229,6 +237,7 @@ class ChatClient:
             r = await http.post("/project/action",
                                 json={"sessionId": self.session_id, "action": action})
         assert r.status_code == 200, r.text
+        self.pressed = r  # its headers say which front end answered, where there are several
         return start
 
     def collect(self, start: int, end: int) -> Reply:
@@ -330,8 +339,13 @@ class Server:
             env.pop("DATABASE_URL", None)
             env["VCHAT_ADMIN_USER"], env["VCHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
         self.env = env
+        # The app as `make run` starts it: its launcher, which runs `chainlit run app.py`
+        # or several front ends sharing each engine's core (service/front_ends.py).
+        command = [sys.executable, "-m", "service.front_ends", "--port", str(self.port)] \
+            if app == "app.py" else \
+            chainlit_command() + ["run", app, "--headless", "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            chainlit_command() + ["run", app, "--headless", "--port", str(self.port)],
+            command,
             cwd=root, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
             start_new_session=True)
 

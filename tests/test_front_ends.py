@@ -1,0 +1,185 @@
+"""The app as several front-end processes sharing one engine core (issue 31,
+service/front_ends.py): `python -m service.front_ends` with VCHAT_FRONT_ENDS=2, the real
+engine, Chainlit's socket protocol, as users and a hostile user meet it. The launcher is
+started as an operator would; the kernel spreads the connections over the front ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chat.turns import REGENERATE
+from tests.test_accounts import add_user
+from tools.chainlit_client import ChatClient, Server, engine_of
+
+COUNT = 2
+
+
+async def answers(server: Server, tries: int = 200) -> dict[int, dict]:
+    """/ready as each front end answers it, by index (new connections until all have)."""
+    seen: dict[int, dict] = {}
+    for _ in range(tries):
+        async with httpx.AsyncClient() as http:  # a new connection each: any front end
+            health = (await http.get(server.url + "/ready", timeout=30)).json()
+        seen[health["front_end"]["index"]] = health
+        if len(seen) == COUNT:
+            return seen
+    raise AssertionError(f"only front ends {sorted(seen)} answered in {tries} tries")
+
+
+@pytest.fixture(scope="module")
+async def server():
+    srv = Server({"VCHAT_FRONT_ENDS": str(COUNT)})
+    try:
+        deadline = time.monotonic() + 400
+        while True:  # every front end's engine attached, not the first one's alone
+            try:
+                seen = await answers(srv, tries=40)
+                if all(h["status"] == "ok" for h in seen.values()):
+                    break
+            except (httpx.HTTPError, AssertionError, KeyError):
+                pass
+            assert srv.proc.poll() is None, srv.log()
+            assert time.monotonic() < deadline, srv.log()
+            await asyncio.sleep(1)
+        add_user(srv, "mallory", "mallory's own password")
+        yield srv
+    finally:
+        srv.stop()
+
+
+async def test_each_front_end_answers_and_attaches_to_the_one_shared_engine(server):
+    seen = await answers(server)
+    pids = {h["front_end"]["pid"] for h in seen.values()}
+    assert len(pids) == COUNT and server.proc.pid not in pids
+    for health in seen.values():
+        assert health["front_end"]["count"] == COUNT
+        # Both presets on the one engine, attached in each front end.
+        assert engine_of(health, "latency-first") is engine_of(health, "throughput-first")
+        assert engine_of(health, "latency-first")["healthy"] is True
+    # One engine core for all of them: the launcher's child, not each front end's.
+    launcher = psutil.Process(server.proc.pid)
+    cores = [p for p in launcher.children(recursive=True) if "EngineCore" in " ".join(
+        p.cmdline()) or "EngineCore" in p.name()]
+    assert cores and all(p.ppid() == server.proc.pid for p in cores), [p.name() for p in cores]
+    for pid in pids:
+        assert not [p for p in psutil.Process(pid).children(recursive=True)
+                    if "EngineCore" in p.name()]
+
+
+async def test_users_of_both_profiles_on_both_front_ends_and_regenerate_from_any(server):
+    """Users of both profiles at once, their sockets on both front ends; each presses
+    Regenerate, whose HTTP call may reach the other front end: it is forwarded to the one
+    holding the chat, and the new reply streams as with one process."""
+    clients, owners, forwarded = [], set(), 0
+    while len(clients) < 24 and (len(owners) < COUNT or not forwarded or len(clients) < 8):
+        batch = [ChatClient(server.url, "Throughput-first" if i % 2 else "Latency-first")
+                 for i in range(len(clients), len(clients) + 4)]
+        await asyncio.gather(*[c.connect() for c in batch])
+        await asyncio.gather(*[c.settings(max_tokens=12, temperature=0) for c in batch])
+        replies = await asyncio.gather(*[c.send(f"Count to {i + 3}.")
+                                         for i, c in enumerate(batch)])
+        for c, reply in zip(batch, replies):
+            assert reply.shown and reply.notes == [], reply.notes
+            button = [a for a in c.actions(reply.reply["id"]) if a["name"] == REGENERATE]
+            start = await c.press(button[0])
+            end = await c.wait_for("task_end", since=start)
+            again = c.collect(start, end + 1)
+            assert again.shown and again.notes == [], again.notes
+            owners.add(c.pressed.headers["x-vchat-front-end"])
+            forwarded += "x-vchat-forwarded-by" in c.pressed.headers
+        clients += batch
+    assert owners == {str(i) for i in range(COUNT)}, owners
+    assert forwarded, "no press reached a front end other than its chat's"
+    # Every chat kept both replies: the regenerated one is the chat's last.
+    for c in clients:
+        async with c.api() as http:
+            listed = (await http.post("/project/threads", json={
+                "pagination": {"first": 50}, "filter": {}})).json()["data"]
+        assert listed, "the chat was stored"
+    await asyncio.gather(*[c.close() for c in clients])
+    for health in (await answers(server)).values():
+        assert engine_of(health, "throughput-first")["unfinished_requests"] == 0
+
+
+async def test_metrics_from_any_front_end_hold_every_front_ends_series(server):
+    """/metrics answered by either front end: every front end's series, each labelled with
+    its own, so a scraper sees the whole app whichever one it reaches; the turns counted
+    are the turns run (the test above ran at least 16, two for each of its 8+ chats)."""
+    for _ in range(6):
+        async with httpx.AsyncClient() as http:  # a new connection each: either front end
+            text = (await http.get(server.url + "/metrics", timeout=30)).text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        fronts = {s.labels.get("front_end") for s in samples}
+        assert fronts == {str(i) for i in range(COUNT)}, fronts
+        turns = [s for s in samples if s.name == "vchat_turns_finished_total"]
+        assert {s.labels["front_end"] for s in turns} == fronts
+        assert sum(s.value for s in turns) >= 16
+    # A forged peer header is no key to anything: the answer is still the whole app's.
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(server.url + "/metrics", headers={"x-vchat-peer": "x"})).text
+    assert {s.labels.get("front_end") for f in text_string_to_metric_families(text)
+            for s in f.samples} == {str(i) for i in range(COUNT)}
+
+
+async def test_stop_ends_a_reply_in_whichever_front_end_holds_it(server):
+    c = ChatClient(server.url, "Latency-first")
+    await c.connect()
+    await c.settings(max_tokens=1024, temperature=1.5)
+    start = len(c.events)
+    await c.emit_message("Write a very long story about a lighthouse keeper.")
+    await c.wait_for_tokens(start, 3)
+    await c.stop()
+    end = await c.wait_for("task_end", since=start, timeout=10)
+    stopped = c.collect(start, end + 1)
+    assert stopped.reply["metadata"]["stopped"] is True
+    await c.close()
+
+
+async def test_another_account_cannot_reach_a_chat_through_any_front_end(server):
+    """A hostile user with an ordinary account presses a button of another account's chat,
+    from connections that reach either front end, with and without a forged peer header:
+    refused each time, as by one process (403), never run and never 421."""
+    victim = ChatClient(server.url, "Latency-first")
+    await victim.connect()
+    await victim.settings(max_tokens=8, temperature=0)
+    reply = await victim.send("Hello.")
+    button = [a for a in victim.actions(reply.reply["id"]) if a["name"] == REGENERATE][0]
+    mallory = ChatClient(server.url, "Latency-first", user="mallory",
+                         password="mallory's own password")
+    before = len(victim.events)
+    seen = set()
+    token = await mallory.login()
+    for i in range(12):
+        headers = {"x-vchat-peer": "guessed"} if i % 2 else {}
+        async with httpx.AsyncClient(base_url=server.url, cookies={"access_token": token},
+                                     timeout=60) as http:  # a new connection each time
+            r = await http.post("/project/action", headers=headers,
+                                json={"sessionId": victim.session_id, "action": button})
+        assert r.status_code == 403, (r.status_code, r.text)
+        seen.add(r.headers.get("x-vchat-forwarded-by"))
+    assert None in seen and len(seen) > 1, "presses reached only one front end"
+    await asyncio.sleep(1)
+    assert not [e for e in victim.events[before:] if e.name == "task_start"]
+    await victim.close()
+
+
+async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):
+    """Last in the module: a front end killed outright (a crash) makes the launcher end the
+    others and the engine core and exit with status 1, for its supervisor to restart it."""
+    pid = (await answers(server))[1]["front_end"]["pid"]
+    family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    os.kill(pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=90) == 1
+    time.sleep(2)
+    left = [p for p in family if psutil.pid_exists(p) and
+            psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [psutil.Process(p).cmdline() for p in left]
+    assert "front end front-end-1 (status -9) stopped" in server.log()
