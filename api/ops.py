@@ -3,7 +3,8 @@
     GET /ready    readiness: 200 once every engine is up, 503 while starting, stopping or
                   after a failure, with each engine's health, seats and line, the turns in
                   flight, and whether the database answers and which writes it refused;
-                  with several front ends (service/front_ends.py), which one answered
+                  with several front ends (service/front_ends.py), which one answered,
+                  each one's status, and 200 only when every one is ready
     GET /notice   what every open page says above the chat about the engines' state
                   (public/model-status.js): always 200
     GET /metrics  Prometheus' text format: the app's series (service/turn_metrics.py), every
@@ -15,6 +16,7 @@ None needs a login (probes and scrapers have none) and none holds a user's name 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 
@@ -48,18 +50,27 @@ class Ops:
         self.router.add_api_route("/notice", self.notice, methods=["GET"])
         self.router.add_api_route("/metrics", self.metrics, methods=["GET"])
 
-    async def ready(self) -> JSONResponse:
+    async def ready(self, request: Request) -> JSONResponse:
         health = await self.engines.health()
         health["turns_in_flight"] = self.shutdown.turns
         # Failed database writes are the operator's to see here, not only in the log.
         health["store"] = {"reachable": await self.store.healthy(),
                            "failed_writes": self.store.failures,
                            "last_failure": self.store.last_failure}
-        if self.front_end is not None:  # whose answer this is: the engines as it sees them
-            health["front_end"] = {"index": self.front_end.index,
-                                   "count": self.front_end.count, "pid": os.getpid()}
         if self.shutdown.closing:
             health["status"] = "stopping"
+        front = self.front_end
+        if front is not None:  # whose answer this is: the engines as it sees them
+            health["front_end"] = {"index": front.index, "count": front.count,
+                                   "pid": os.getpid()}
+        if front is not None and front.count > 1 and not front.from_peer(
+                request.headers.get(PEER_HEADER)):  # ready when every front end is
+            statuses = {str(front.index): health["status"]}
+            for index, answer in (await front.ask_peers("/ready")).items():
+                statuses[str(index)] = _status_in(answer)
+            health["front_ends"] = statuses
+            if health["status"] == "ok":
+                health["status"] = next((s for s in statuses.values() if s != "ok"), "ok")
         return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
 
     async def notice(self) -> JSONResponse:
@@ -74,8 +85,21 @@ class Ops:
         front = self.front_end
         if front is None or front.count == 1 or front.from_peer(request.headers.get(PEER_HEADER)):
             return Response(own, media_type=CONTENT_TYPE_LATEST)
-        texts = {front.index: own.decode(), **await front.ask_peers("/metrics")}
+        texts = {front.index: own.decode()}
+        for index, answer in (await front.ask_peers("/metrics")).items():
+            if answer and answer[0] == 200:
+                texts[index] = answer[1]
         return Response(labelled(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+def _status_in(answer: tuple[int, str] | None) -> str:
+    """A peer's /ready status, from its answer."""
+    if answer is None:
+        return "unreachable"
+    try:
+        return str(json.loads(answer[1]).get("status", "unknown"))
+    except (ValueError, AttributeError):
+        return "unknown"
 
 
 def labelled(texts: dict[int, str]) -> bytes:

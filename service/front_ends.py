@@ -22,8 +22,8 @@ chats are in the database, and pages reconnect.
 
 Every front end shares the data folder's database and its login secret, as replicas do
 (deploy/); a front end's admission counts its own turns against the whole engine (the
-engine's scheduler queues beyond its seats); /ready is the answering front end's, /metrics
-every front end's (api/ops.py).
+engine's scheduler queues beyond its seats); /ready and /metrics answer for every front end
+(api/ops.py).
 """
 
 from __future__ import annotations
@@ -72,24 +72,25 @@ class FrontEnd:
         given = given.encode() if isinstance(given, str) else (given or b"")
         return hmac.compare_digest(given, self.secret.encode())
 
-    async def ask_peers(self, path: str) -> dict[int, str]:
-        """Every other front end's own answer to GET `path` (those that answered), by index."""
+    async def ask_peers(self, path: str) -> dict[int, tuple[int, str] | None]:
+        """Every other front end's own answer to GET `path`, (status, text) by index; None
+        for one that did not answer."""
         import asyncio
 
         import httpx
 
-        async def ask(index: int) -> tuple[int, str | None]:
+        async def ask(index: int) -> tuple[int, str] | None:
             transport = httpx.AsyncHTTPTransport(uds=self.peers[index])
             async with httpx.AsyncClient(transport=transport, timeout=10.0) as http:
                 try:
                     answer = await http.get(f"http://front-end{path}",
                                             headers={PEER_HEADER: self.secret})
                 except httpx.HTTPError:
-                    return index, None
-            return index, answer.text if answer.status_code == 200 else None
+                    return None
+            return answer.status_code, answer.text
 
-        answers = await asyncio.gather(*[ask(i) for i in range(self.count) if i != self.index])
-        return {index: text for index, text in answers if text is not None}
+        others = [i for i in range(self.count) if i != self.index]
+        return dict(zip(others, await asyncio.gather(*[ask(i) for i in others])))
 
 
 _current: FrontEnd | None = None
@@ -158,7 +159,8 @@ class Launcher:
         config = load_config()
         stand_in = getattr(engine_kind(), "func", None) is StandInEngine
         engines = {} if stand_in else local_engines(config)
-        listener = socket.create_server((self.host, self.port), backlog=4096)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.create_server((self.host, self.port), family=family, backlog=4096)
         folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
         peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
         secret = secrets.token_urlsafe(32)

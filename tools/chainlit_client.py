@@ -341,8 +341,10 @@ class Server:
         self.env = env
         # The app as `make run` starts it: its launcher, which runs `chainlit run app.py`
         # or several front ends sharing each engine's core (service/front_ends.py).
+        # (A checkout from before the launcher, as a benchmark's baseline: Chainlit's.)
+        launcher = app == "app.py" and (root / "service" / "front_ends.py").exists()
         command = [sys.executable, "-m", "service.front_ends", "--port", str(self.port)] \
-            if app == "app.py" else \
+            if launcher else \
             chainlit_command() + ["run", app, "--headless", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             command,
