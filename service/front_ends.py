@@ -160,7 +160,11 @@ class Launcher:
         stand_in = getattr(engine_kind(), "func", None) is StandInEngine
         engines = {} if stand_in else local_engines(config)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.create_server((self.host, self.port), family=family, backlog=4096)
+        try:
+            listener = socket.create_server((self.host, self.port), family=family,
+                                            backlog=4096)
+        except OSError as exc:
+            raise SystemExit(f"Cannot listen on {self.host}:{self.port}: {exc.strerror}")
         folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
         peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
         secret = secrets.token_urlsafe(32)
@@ -180,6 +184,9 @@ class Launcher:
             log.info("%d front ends on http://%s:%d, engines %s", self.count, self.host,
                      self.port, ", ".join(engines) or "(none local)")
             return self._watch(cores)
+        except Exception as exc:  # an engine's core did not start: vLLM's log says why
+            log.error("the engines could not start (%s): ending every front end", exc)
+            return 1
         finally:
             self._end_all()
             cores.shutdown()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chat.turns import REGENERATE
 from tests.test_accounts import add_user
-from tools.chainlit_client import ChatClient, Server, engine_of, serving
+from tools.chainlit_client import ROOT, ChatClient, Server, engine_of, serving
 
 COUNT = 2
 
@@ -161,6 +163,15 @@ async def test_another_account_cannot_reach_a_chat_through_any_front_end(server)
     await asyncio.sleep(1)
     assert not [e for e in victim.events[before:] if e.name == "task_start"]
     await victim.close()
+
+
+def test_a_port_already_taken_is_one_line_not_a_trace(server):
+    taken = subprocess.run(
+        [sys.executable, "-m", "service.front_ends", "--front-ends", "2", "--port",
+         str(server.port)], env={**os.environ, "VCHAT_ENGINE": "stand-in"}, cwd=ROOT,
+        capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 1 and "Traceback" not in taken.stdout + taken.stderr
+    assert f"Cannot listen on 127.0.0.1:{server.port}: Address already in use" in taken.stderr
 
 
 async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):
