@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start(argv: list[str] | None) -> int:
+    from engine.cores import MAX_FRONT_ENDS
     from engine.settings import check_all, setting
 
     check_all()
@@ -122,8 +123,8 @@ def start(argv: list[str] | None) -> int:
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args(argv)
     count = args.front_ends or front_ends_here(setting("VCHAT_FRONT_ENDS"))
-    if count < 1:
-        p.error("--front-ends: at least 1")
+    if not 1 <= count <= MAX_FRONT_ENDS:
+        p.error(f"front ends: 1 to {MAX_FRONT_ENDS}, not {count}")
     if count == 1:  # the app alone: Chainlit's own command, in this process
         chainlit = Path(sys.executable).parent / "chainlit"
         command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
