@@ -32,6 +32,10 @@ def parser(description: str) -> argparse.ArgumentParser:
                    choices=sorted(WORKLOADS), help="engine path workloads")
     p.add_argument("--app-workloads", nargs="+", default=["chat"],
                    choices=sorted(WORKLOADS), help="app path workloads")
+    p.add_argument("--app-client-processes", type=whole_number, nargs="+", default=[1],
+                   metavar="N", help="the app path's users spread over N client processes "
+                   "(bench/app_clients.py), as many browsers would be; with --paired, each "
+                   "further N is one more app route (app-Np) in the pairs")
     p.add_argument("--skip-ui-ceiling", action="store_true",
                    help="leave out the stand-in engine run of the app layer")
     p.add_argument("--output-len", type=whole_number, default=64)

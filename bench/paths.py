@@ -127,38 +127,15 @@ async def _measured(drive, engine: PresetEngine, requests: list[Request], concur
 
 
 async def run_app(url: str, profile: str, requests: list[Request], concurrency: int,
-                  progress=None) -> dict:
-    """The same, through the app: one socket session per user."""
-    from tools.chainlit_client import ChatClient
+                  progress=None, processes: int = 1) -> dict:
+    """The same, through the app: one socket session per user, the users in `processes`
+    client processes (bench/app_clients.py). `client_cpu`: the share of the run's wall
+    time that each client process spent on its CPU (near 1: that client was the limit)."""
+    from bench.app_clients import drive, run_spread
 
-    queue = list(reversed(requests))
-    timings: list[RequestTiming] = []
-    clients = [ChatClient(url, profile) for _ in range(concurrency)]
-    await asyncio.gather(*[c.connect() for c in clients])
-    output_len = requests[0].output_len
-    await asyncio.gather(*[c.settings(max_tokens=output_len, show_stats=False)
-                           for c in clients])
-
-    async def user(client: ChatClient):
-        while queue:
-            req = queue.pop()
-            await _arrive(req, started)
-            start = len(client.events)
-            t = RequestTiming(sent=time.monotonic())
-            timings.append(t)
-            await client.emit_message(req.prompt)
-            end = await client.wait_for("task_end", since=start, timeout=600)
-            for e in client.events[start:end]:
-                if e.name in ("stream_start", "stream_token"):
-                    t.chunks.append(e.at)
-            reply = client.collect(start, end + 1).reply
-            t.ok = reply is not None and "output_tokens" in reply.get("metadata", {})
-            t.output_tokens = reply["metadata"].get("output_tokens", 0) if t.ok else 0
-            if progress:
-                progress.update(1)
-
-    started = time.monotonic()
-    await asyncio.gather(*[user(c) for c in clients])
-    wall = time.monotonic() - started
-    await asyncio.gather(*[c.close() for c in clients])
-    return summarize(timings, wall)
+    if processes > 1:
+        return await run_spread(url, profile, requests, concurrency, processes, progress)
+    timings, started, ended, cpu = await drive(url, profile, requests, concurrency, progress)
+    out = summarize(timings, ended - started)
+    out["client_cpu"] = [round(cpu / (ended - started), 3)]
+    return out

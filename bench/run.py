@@ -21,6 +21,7 @@ Writes bench/results/latest.json and latest.png, and prints the headline figures
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -209,7 +210,7 @@ async def paired_sweep(args, bar, label: str, runners: dict) -> tuple[dict, dict
                 for route, run in runners.items():
                     if route == "raw" and workload != "chat":
                         continue  # the anchor is for the chat workload
-                    if route == "app" and workload not in args.app_workloads:
+                    if route.startswith("app") and workload not in args.app_workloads:
                         continue
                     bar.set_description(f"{label} {route} {key} ({i + 1}/{repeats})")
                     await asyncio.sleep(SETTLE_S)
@@ -220,7 +221,8 @@ async def paired_sweep(args, bar, label: str, runners: dict) -> tuple[dict, dict
                                         "repeats_tok_s": [r["tok_s"] for r in runs]}
             pairs[key] = {f"{a}_over_{b}": [round(x["tok_s"] / y["tok_s"], 3)
                                              for x, y in zip(done[a], done[b])]
-                          for a, b in (("engine", "raw"), ("app", "engine"))
+                          for a, b in (("engine", "raw"), *((r, "engine") for r in done
+                                                             if r.startswith("app")))
                           if done.get(a) and done.get(b)}
     return kept, pairs
 
@@ -267,21 +269,23 @@ async def bench_preset(args, config, preset_name: str, baseline: bool, bar,
             bar.set_description(f"{preset_name} app starting")
             await server.wait_ready()
 
-            def app_run(reqs, level):
-                return paths.run_app(server.url, profile, reqs, level, bar)
+            def app_run(reqs, level, processes=args.app_client_processes[0]):
+                return paths.run_app(server.url, profile, reqs, level, bar, processes)
 
             bar.set_description(f"{preset_name} app warm-up")
-            await warm_up(args, lambda reqs, level: paths.run_app(server.url, profile, reqs,
-                                                                  level))
+            await warm_up(args, lambda reqs, level: paths.run_app(
+                server.url, profile, reqs, level, processes=args.app_client_processes[0]))
             if args.paired is None:
                 result["app"] = await sweep(args, args.app_workloads, f"{preset_name} app",
                                             bar, app_run, headline_skip(args))
         if args.paired is not None:
             runners = {"raw": lambda reqs, level: paths.run_raw(engine, reqs, level, bar),
                        "engine": engine_run, "app": app_run}
+            for n in args.app_client_processes[1:] if app_run else ():  # more app routes
+                runners[f"app-{n}p"] = functools.partial(app_run, processes=n)
             kept, result["pairs"] = await paired_sweep(
                 args, bar, preset_name,
-                {r: run for r, run in runners.items() if r in args.paths and run})
+                {r: run for r, run in runners.items() if r.partition("-")[0] in args.paths and run})
             result.update(kept)
         if interleaved(args):
             head = await headline_runs(

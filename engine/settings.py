@@ -174,6 +174,10 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_FRONT_ENDS", auto_or(whole(1)), "auto", "app processes sharing each "
             "engine's core under `make run` (service/front_ends.py); auto: with an NVIDIA GPU "
             "one per 4 cores, at most 4; without, 1. `chainlit run app.py` is always one"),
+    Setting("VCHAT_CONNECTION_SPREAD", one_of("hash", "first-free"), "hash",
+            "how the front ends share the port's connections: hash (a socket each, "
+            "SO_REUSEPORT: the kernel spreads them evenly) or first-free (one socket, "
+            "whichever front end accepts first)"),
     Setting("VCHAT_SHUTDOWN_GRACE_S", number(0), "10",
             "on SIGTERM/Ctrl+C, how long replies being written may still take"),
     Setting("VCHAT_LOG_FORMAT", one_of("text", "json"), "text",

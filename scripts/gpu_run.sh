@@ -62,7 +62,13 @@ case "$step" in
   bench)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.run --name gpu-h200 "$@" 2>&1 | tee "$out/bench.log" \
       | grep -v '^\s*$' | tail -5
-    cp bench/results/gpu-h200* "$out/" 2>/dev/null ;;
+    cp bench/results/gpu-h200* "$out/" 2>/dev/null
+    # The app server's turn log: where each run's first tokens went (bench/turn_log.py);
+    # TURN_RUNS=N: one summary for every N turns (the users of one run).
+    for log in .cache/server-*.log; do
+      [ -f "$log" ] && python3 -m bench.turn_log "$log" --each "${TURN_RUNS:-256}" \
+        >> "$out/turns.jsonl"
+    done; true ;;
   bench-start)
     rm -rf /tmp/bench-checkout && cp -r . /tmp/bench-checkout && cd /tmp/bench-checkout \
       && setsid nohup bash -c "scripts/gpu_run.sh '$out' bench $*; touch '$out/done'" \

@@ -8,8 +8,10 @@ One app process streams every user's reply and runs vLLM's output handling on on
 thread; on a GPU that thread is what limits the app at a few hundred streams (BENCHMARKS.md,
 issue 31). Here this launcher binds the port, starts each local engine's core once
 (engine/cores.py) and then N front ends, each the whole app (`chainlit run app.py`'s
-server) attached to those cores. The kernel hands each new connection to whichever front end
-accepts it first, so a browser's socket, and with it its chat, lives in one front end; the
+server) attached to those cores. Each front end listens on the port with a socket of its own
+(SO_REUSEPORT) and the kernel hands each new connection to one of them by its addresses
+(VCHAT_CONNECTION_SPREAD: `hash`, or `first-free`, one socket that whichever front end
+accepts first), so a browser's socket, and with it its chat, lives in one front end; the
 page is told to use WebSockets only (polling would spread one socket's requests over
 several). The few HTTP calls that name a chat session (a button's action, a custom element)
 reach the front end that holds it: another forwards them (chat/front_ends.py), over its own
@@ -51,6 +53,7 @@ STOP_WAIT_S = 30  # past the replies' grace: a front end still running then is k
 # front end, 0.87 with 2, 0.92 with 4 (BENCHMARKS.md, issue 31). Each front end's thread
 # wants a core of its own beside the engine core's.
 MOST_FRONT_ENDS, CORES_EACH = 4, 4
+LISTEN_BACKLOG = 4096  # each front end's share of a burst of connections waits here
 log = logging.getLogger("front_ends")
 
 
@@ -155,17 +158,13 @@ class Launcher:
         from engine import load_config
         from engine.cores import Cores, local_engines
         from engine.pool import engine_kind
+        from engine.settings import setting
         from engine.standin import StandInEngine
 
         config = load_config()
         stand_in = getattr(engine_kind(), "func", None) is StandInEngine
         engines = {} if stand_in else local_engines(config)
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        try:
-            listener = socket.create_server((self.host, self.port), family=family,
-                                            backlog=4096)
-        except OSError as exc:
-            raise SystemExit(f"Cannot listen on {self.host}:{self.port}: {exc.strerror}")
+        listeners = self._listen(setting("VCHAT_CONNECTION_SPREAD"))
         folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
         peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
         secret = secrets.token_urlsafe(32)
@@ -178,12 +177,13 @@ class Launcher:
                 for i in range(self.count):
                     front = FrontEnd(i, self.count, peers, secret)
                     proc = context.Process(target=serve, name=f"front-end-{i}",
-                                           args=(front, listener, links[i]))
+                                           args=(front, listeners[i], links[i]))
                     proc.start()
                     self.processes.append(proc)
             self.started = True
-            log.info("%d front ends on http://%s:%d, engines %s", self.count, self.host,
-                     self.port, ", ".join(engines) or "(none local)")
+            log.info("%d front ends on http://%s:%d (connections spread: %s), engines %s",
+                     self.count, self.host, self.port, setting("VCHAT_CONNECTION_SPREAD"),
+                     ", ".join(engines) or "(none local)")
             return self._watch(cores)
         except Exception as exc:  # an engine's core did not start: vLLM's log says why
             log.error("the engines could not start (%s): ending every front end", exc)
@@ -191,12 +191,34 @@ class Launcher:
         finally:
             self._end_all()
             cores.shutdown()
-            listener.close()
+            for listener in set(listeners):
+                listener.close()
             for path in peers:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
+
+    def _listen(self, spread: str) -> list[socket.socket]:
+        """Each front end's listening socket on the port: one shared by all (`first-free`:
+        whichever accepts first gets a connection; in a burst a few take most), or one
+        each with SO_REUSEPORT (`hash`: the kernel spreads connections by their addresses,
+        evenly, whatever each front end's load). A port already taken stops the launcher;
+        a plain socket bound first says so also for another launcher's SO_REUSEPORT ones,
+        which would otherwise share the port with these."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        address = (self.host, self.port)
+        try:
+            first = socket.create_server(address, family=family, backlog=LISTEN_BACKLOG)
+            if spread == "first-free":
+                return [first] * self.count
+            self.port = first.getsockname()[1]  # port 0: the one the kernel chose
+            address = (self.host, self.port)
+            first.close()
+            return [socket.create_server(address, family=family, backlog=LISTEN_BACKLOG,
+                                         reuse_port=True) for _ in range(self.count)]
+        except OSError as exc:
+            raise SystemExit(f"Cannot listen on {self.host}:{self.port}: {exc.strerror}")
 
     def _watch(self, cores) -> int:
         while not self.stopping:

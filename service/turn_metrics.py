@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -24,6 +24,13 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # By this name, not the module's: the README gives it to operators to filter on.
 turn_log = logging.getLogger("vchat.turns")
+
+
+def _front_end_index() -> int | None:
+    from service.front_ends import current
+
+    front = current()
+    return front.index if front is not None else None
 
 
 @dataclass
@@ -60,6 +67,8 @@ class TurnRecord:
     reason: str | None = None  # why it was refused
     message: str | None = None
     reply: str | None = None
+    # which of the app's front ends ran it (service/front_ends.py); None: the app is one
+    front_end: int | None = field(default_factory=_front_end_index)
     arrival: Arrival | None = None  # the message's way to its turn; not logged
 
     def turn_began(self) -> None:

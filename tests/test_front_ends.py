@@ -6,6 +6,7 @@ started as an operator would; the kernel spreads the connections over the front 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import turn_log
 from chat.turns import REGENERATE
 from tests.test_accounts import add_user
 from tools.chainlit_client import ROOT, ChatClient, Server, engine_of, serving
@@ -97,6 +99,22 @@ async def test_users_of_both_profiles_on_both_front_ends_and_regenerate_from_any
     await asyncio.gather(*[c.close() for c in clients])
     for health in (await answers(server)).values():
         assert engine_of(health, "throughput-first")["unfinished_requests"] == 0
+    # Each turn's log line says which front end ran it (bench/turn_log.py reads them).
+    fronts = {r.get("front_end") for r in turn_log.turns(server.log_path.read_text())}
+    assert fronts == set(range(COUNT)), fronts
+
+
+async def test_new_connections_are_spread_over_every_front_end(server):
+    """The shipped spread (VCHAT_CONNECTION_SPREAD=hash): a listening socket per front end
+    with SO_REUSEPORT, the kernel choosing by each connection's addresses. With one shared
+    socket a loaded machine once handed 12 connections in a row to one front end."""
+    seen = collections.Counter()
+    for _ in range(64):
+        async with httpx.AsyncClient() as http:  # a new connection (a new source port) each
+            health = (await http.get(server.url + "/ready", timeout=30)).json()
+        seen[health["front_end"]["index"]] += 1
+    # Even by hash: each of 2 front ends gets 32 +- 4 of 64; fewer than 12 is 1 in 10^5.
+    assert all(seen[i] >= 12 for i in range(COUNT)), seen
 
 
 async def test_metrics_from_any_front_end_hold_every_front_ends_series(server):
@@ -166,12 +184,28 @@ async def test_another_account_cannot_reach_a_chat_through_any_front_end(server)
 
 
 def test_a_port_already_taken_is_one_line_not_a_trace(server):
+    """Also by another launcher, whose SO_REUSEPORT sockets would otherwise join these on
+    the port and take half of its connections."""
     taken = subprocess.run(
         [sys.executable, "-m", "service.front_ends", "--front-ends", "2", "--port",
          str(server.port)], env={**os.environ, "VCHAT_ENGINE": "stand-in"}, cwd=ROOT,
         capture_output=True, text=True, timeout=120)
     assert taken.returncode == 1 and "Traceback" not in taken.stdout + taken.stderr
     assert f"Cannot listen on 127.0.0.1:{server.port}: Address already in use" in taken.stderr
+
+
+async def test_one_shared_socket_is_the_other_spread():
+    """VCHAT_CONNECTION_SPREAD=first-free: one listening socket for all, whichever front end
+    accepts first (the stand-in engine: this is about the sockets)."""
+    env = {"VCHAT_FRONT_ENDS": str(COUNT), "VCHAT_CONNECTION_SPREAD": "first-free",
+           "VCHAT_ENGINE": "stand-in"}
+    async with serving(env) as srv:
+        assert set(await answers(srv)) == set(range(COUNT))
+        c = ChatClient(srv.url, "Latency-first")
+        await c.connect()
+        assert (await c.send("Hello.")).shown
+        await c.close()
+    assert "connections spread: first-free" in srv.log_path.read_text()
 
 
 async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):

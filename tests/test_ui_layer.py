@@ -8,6 +8,9 @@ import re
 import pytest
 import yaml
 
+from bench import turn_log
+from bench.paths import run_app
+from bench.workloads import chat
 from engine.launch import has_cuda
 from engine.standin import WORDS
 from tools.chainlit_client import ROOT, ChatClient, Server, engine_of
@@ -34,6 +37,20 @@ async def test_the_stand_in_is_labelled_for_operators_and_users(server):
     notes = [e.data["output"] for e in c.events if e.name == "new_message"]
     assert any("stand-in engine, not a model" in n for n in notes)
     await c.close()
+
+
+async def test_the_bench_spreads_its_users_over_client_processes(server):
+    """bench/app_clients.py: the app path's users in two client processes (as many browsers
+    are), every reply timed on the one clock; bench/turn_log.py then reads from the server's
+    turn log where those turns' first tokens went."""
+    result = await run_app(server.url, "Throughput-first", chat(6, 16, seed=3), 6, processes=2)
+    assert result["completed"] == 6 and result["output_tokens"] == 6 * 16
+    assert len(result["client_cpu"]) == 2 and 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
+    rows = [r for r in turn_log.turns(server.log_path.read_text())
+            if r.get("outcome") == "finished"][-6:]
+    figures = turn_log.summary(rows)["all"]
+    assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
+    assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
 
 
 async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server):
