@@ -7,7 +7,8 @@ so a client that falls behind adds its own wait to the app's first token and gap
 to process i % processes. Each connects its clients, says so, and starts when every
 process has (time.monotonic() is the machine's one clock, so the timings of all of them go
 together); the wall time runs from the first start to the last end. Each process also
-reports the CPU time it spent, the check that no client was the limit.
+reports the CPU time its event loop's thread spent, the check that no client was the
+limit (thread time: the bench's own process also holds an engine's threads).
 
     bench.paths.run_app(url, profile, requests, users, processes=4)
 """
@@ -29,7 +30,8 @@ async def drive(url: str, profile: str, requests: list[Request], users: int, pro
                 started_by=None) -> tuple[list[RequestTiming], float, float, float]:
     """`users` socket sessions of `profile`, each taking the next request when its turn
     ends. `started_by()`, awaited once every session is open, holds the start. Returns the
-    timings, the start, the end (time.monotonic()) and this process's CPU seconds between."""
+    timings, the start, the end (time.monotonic()) and the CPU seconds this thread spent
+    between."""
     from tools.chainlit_client import ChatClient
 
     queue = list(reversed(requests))
@@ -62,9 +64,9 @@ async def drive(url: str, profile: str, requests: list[Request], users: int, pro
             if progress:
                 progress.update(1)
 
-    started, cpu = time.monotonic(), time.process_time()
+    started, cpu = time.monotonic(), time.thread_time()
     await asyncio.gather(*[user(c) for c in clients])
-    ended, cpu = time.monotonic(), time.process_time() - cpu
+    ended, cpu = time.monotonic(), time.thread_time() - cpu
     await asyncio.gather(*[c.close() for c in clients])
     return timings, started, ended, cpu
 
@@ -88,7 +90,7 @@ def _share(url: str, profile: str, requests: list[Request], users: int, conn, go
 async def run_spread(url: str, profile: str, requests: list[Request], users: int,
                      processes: int, progress=None) -> dict:
     """`users` sessions spread over `processes` client processes; the run's figures, with
-    `client_cpu`: each process's CPU seconds over the run's wall time."""
+    `client_cpu`: each process's loop thread's CPU seconds over the run's wall time."""
     context = multiprocessing.get_context("spawn")  # this process holds an engine
     go = context.Event()
     procs, conns = [], []

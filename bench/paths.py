@@ -130,7 +130,8 @@ async def run_app(url: str, profile: str, requests: list[Request], concurrency: 
                   progress=None, processes: int = 1) -> dict:
     """The same, through the app: one socket session per user, the users in `processes`
     client processes (bench/app_clients.py). `client_cpu`: the share of the run's wall
-    time that each client process spent on its CPU (near 1: that client was the limit)."""
+    time that each client process's event loop spent on a CPU (near 1: that client was
+    the limit)."""
     from bench.app_clients import drive, run_spread
 
     if processes > 1:
