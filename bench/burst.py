@@ -5,6 +5,7 @@ costs when nothing else waits (the STAND-IN engine, no model; its first token is
 `chainlit run app.py` with the stand-in and the shipped profiles, all sessions' turns
 running at once (bench/ui_ceiling.py's profiles); `--rounds` bursts of short replies, one
 line per burst. Before chat/stalls.py, 256 sessions waited ~1.1 s here (BENCHMARKS.md).
+With VCHAT_FRONT_ENDS=N set, also how many sessions each front end held (the turn log).
 
     .venv/bin/python -m bench.burst --sessions 256 --rounds 4
 """
@@ -17,6 +18,7 @@ import json
 import statistics
 import time
 
+from bench import turn_log
 from bench.cli import whole_number
 from bench.metrics import spread
 from bench.ui_ceiling import PROFILE, all_at_once
@@ -52,6 +54,12 @@ async def bursts(sessions: int, rounds: int) -> list[dict]:
             print(f"burst {r + 1}: first text after {out[-1]['first_text_ms']} ms, "
                   f"turn closed {out[-1]['closing_ms']} ms after the last text", flush=True)
         await asyncio.gather(*[c.close() for c in clients])
+        # With several front ends (VCHAT_FRONT_ENDS): how the sessions were spread over them.
+        fronts = turn_log.summary(turn_log.turns(server.log_path.read_text())).get("front_ends")
+        if fronts:
+            out[-1]["sessions_per_front_end"] = [f["turns"] // rounds
+                                                 for f in fronts.values()]
+            print(f"sessions per front end: {out[-1]['sessions_per_front_end']}", flush=True)
         return out
     finally:
         server.stop()
