@@ -20,7 +20,7 @@ import multiprocessing
 import time
 
 from bench.metrics import RequestTiming, summarize
-from bench.workloads import Request
+from bench.workloads import Request, arrive
 
 READY_TIMEOUT_S = 300.0  # 256 logins and sockets on a busy server
 RUN_TIMEOUT_S = 900.0
@@ -47,9 +47,7 @@ async def drive(url: str, profile: str, requests: list[Request], users: int, pro
     async def user(client: ChatClient):
         while queue:
             req = queue.pop()
-            wait = started + req.delay_s - time.monotonic()  # its arrival in the run
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await arrive(req, started)
             start = len(client.events)
             t = RequestTiming(sent=time.monotonic())
             timings.append(t)

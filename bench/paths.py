@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from bench.metrics import RequestTiming, summarize
-from bench.workloads import SAMPLING, SYSTEM_PROMPT, Request
+from bench.workloads import SAMPLING, SYSTEM_PROMPT, Request, arrive
 from engine import Message, Prompt, TurnStats
 from engine.history import fit_history
 from engine.llm import PresetEngine
@@ -19,13 +19,6 @@ def one_message(engine: PresetEngine, text: str, max_tokens: int,
     """A new conversation's first prompt, fitted to `engine` as the app fits every turn."""
     return fit_history(engine.formatter, [], Message("user", text), system_prompt=system_prompt,
                        max_model_len=engine.max_model_len, max_tokens=max_tokens)
-
-
-async def _arrive(req: Request, run_started: float) -> None:
-    """Hold a delayed request until its arrival time (counted from the run's start)."""
-    wait = run_started + req.delay_s - time.monotonic()
-    if wait > 0:
-        await asyncio.sleep(wait)
 
 
 def engine_view(engine: PresetEngine) -> dict:
@@ -52,7 +45,7 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
     async def user():
         while queue:
             req = queue.pop()
-            await _arrive(req, started)
+            await arrive(req, started)
             t = RequestTiming(sent=time.monotonic())
             timings.append(t)
             async for item in engine.stream(one_message(engine, req.prompt, req.output_len),
@@ -87,7 +80,7 @@ async def drive_raw(engine: PresetEngine, requests: list[Request], concurrency: 
         while queue:
             req = queue.pop()
             prompt = prompts[id(req)]
-            await _arrive(req, started)
+            await arrive(req, started)
             params = SamplingParams(max_tokens=prompt.max_tokens, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA, **SAMPLING)
             t = RequestTiming(sent=time.monotonic())

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import dataclass
 
 # Every request's sampling, the same on the engine and the app path (the app path runs on a
@@ -30,6 +32,13 @@ class Request:
     output_len: int
     long: bool = False
     delay_s: float = 0.0  # wait this long after the run starts before sending
+
+
+async def arrive(req: Request, run_started: float) -> None:
+    """Hold a delayed request until its arrival time (counted from the run's start)."""
+    wait = run_started + req.delay_s - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 def chat(n: int, output_len: int = 64, seed: int = 0) -> list[Request]:

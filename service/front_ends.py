@@ -164,7 +164,8 @@ class Launcher:
         config = load_config()
         stand_in = getattr(engine_kind(), "func", None) is StandInEngine
         engines = {} if stand_in else local_engines(config)
-        listeners = self._listen(setting("VCHAT_CONNECTION_SPREAD"))
+        spread = setting("VCHAT_CONNECTION_SPREAD")
+        listeners = self._listen(spread)
         folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
         peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
         secret = secrets.token_urlsafe(32)
@@ -182,7 +183,7 @@ class Launcher:
                     self.processes.append(proc)
             self.started = True
             log.info("%d front ends on http://%s:%d (connections spread: %s), engines %s",
-                     self.count, self.host, self.port, setting("VCHAT_CONNECTION_SPREAD"),
+                     self.count, self.host, self.port, spread,
                      ", ".join(engines) or "(none local)")
             return self._watch(cores)
         except Exception as exc:  # an engine's core did not start: vLLM's log says why
