@@ -84,14 +84,18 @@ class ChatClient:
         self.session_id = str(uuid.uuid4())
         self.sio = socketio.AsyncClient(reconnection=False)
         self.events: list[Event] = []
-        self._changed = asyncio.Event()
+        # Who waits for which event name: woken by the first such event, not by every one
+        # (at 256 users the bench's one client process reads every stream's frames).
+        self._waiting: dict[str, list[asyncio.Future]] = {}
         self.sio.on("*", self._record)
         self._token: str | None = None  # the last login's, for new_chat
         self._settings: dict = {}  # the chat settings sent so far, for new_chat
 
     async def _record(self, name, data=None):
         self.events.append(Event(name, data, time.monotonic()))
-        self._changed.set()
+        for waiter in self._waiting.pop(name, ()):
+            if not waiter.done():
+                waiter.set_result(len(self.events) - 1)
 
     async def login(self) -> str:
         """Log in as a browser does (POST /login); the session cookie's token."""
@@ -162,19 +166,19 @@ class ChatClient:
 
     async def wait_for(self, name: str, since: int, timeout: float = 300.0) -> int:
         """Index of the first `name` event at or after index `since`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i in range(since, len(self.events)):
-                if self.events[i].name == name:
-                    return i
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no {name!r} event within {timeout} s")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        for i in range(since, len(self.events)):
+            if self.events[i].name == name:
+                return i
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(name, []).append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no {name!r} event within {timeout} s") from None
+        finally:  # timed out or cancelled: no longer waiting (woken: already taken off)
+            waiters = self._waiting.get(name, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
 
     async def send(self, text: str, timeout: float = 300.0) -> Reply:
         """Send one user message and collect everything until its task ends."""
