@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import chainlit as cl
 import httpx
 import pytest
 
@@ -338,6 +339,9 @@ async def test_the_last_reply_can_be_written_again_and_only_the_last(server):
     old = second.reply["id"]
     assert user.actions(first.reply["id"]) == [], "the button is under the last reply only"
     [button] = user.actions(old)
+    # What the page gets is Chainlit's own dict of the action (the app makes it field by
+    # field: chat/turns.py's RegenerateButton).
+    assert button == cl.Action(**button).to_dict()
     # A button of an older reply (a page left open): refused, the chat unchanged.
     since = await user.press({**button, "forId": first.reply["id"]})
     await user.wait_for_note("Only the last reply can be written again", since)
