@@ -74,7 +74,10 @@ def parser(description: str) -> argparse.ArgumentParser:
 GPU_DEFAULTS = {"levels": [1, 8, 32, 64, 128, 256], "output_len": 256, "mixed_max_users": 256,
                 "long_words": [3500, 6900], "paths": ["raw", "engine", "app"],
                 "app_workloads": ["chat"], "paired": [1, 64, 256], "repeats": 2,
-                "headline_users": 64, "ceiling_sessions": 256, "preset_repeats": 2}
+                "headline_users": 64, "ceiling_sessions": 256, "preset_repeats": 2,
+                # The app path's users in 4 client processes, as browsers are: at 256 users
+                # one client process stamped first tokens ~85 ms late (BENCHMARKS.md, issue 31).
+                "app_client_processes": [4]}
 
 
 def parse_args(argv: list[str], config, description: str = "", gpu: bool = False

@@ -127,6 +127,7 @@ async def run_app(url: str, profile: str, requests: list[Request], concurrency: 
     the limit)."""
     from bench.app_clients import drive, run_spread
 
+    processes = min(processes, concurrency)  # a client process holds at least one user
     if processes > 1:
         return await run_spread(url, profile, requests, concurrency, processes, progress)
     timings, started, ended, cpu = await drive(url, profile, requests, concurrency, progress)

@@ -62,7 +62,9 @@ case "$step" in
   bench)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.run --name gpu-h200 "$@" 2>&1 | tee "$out/bench.log" \
       | grep -v '^\s*$' | tail -5
-    cp bench/results/gpu-h200* "$out/" 2>/dev/null
+    # This run's results only (bench/results holds every earlier run's: too many files for
+    # one call's transfer, which then leaves the newest out).
+    find bench/results -name 'gpu-h200*' -newer "$out/versions.txt" -exec cp {} "$out/" \;
     # The app server's turn log: where each run's first tokens went (bench/turn_log.py);
     # TURN_RUNS=N: one summary for every N turns (the users of one run).
     for log in .cache/server-*.log; do

@@ -35,6 +35,7 @@ def test_on_a_gpu_the_defaults_are_the_gpu_issues_levels_and_paired_paths(config
     assert args.levels == [1, 8, 32, 64, 128, 256] and args.output_len == 256
     assert args.paths == ["raw", "engine", "app"] and args.paired == [1, 64, 256]
     assert args.long_words == [3500, 6900] and args.ceiling_sessions == 256
+    assert args.app_client_processes == [4]  # the app path's users as browsers are
     assert parse_args(["--repeats", "4"], config, gpu=True).repeats == 4  # options still win
 
 

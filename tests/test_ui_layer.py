@@ -51,6 +51,9 @@ async def test_the_bench_spreads_its_users_over_client_processes(server):
     figures = turn_log.summary(rows)["all"]
     assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
     assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
+    # Fewer users than processes (the GPU bench's level 1 with its 4): one process each.
+    result = await run_app(server.url, "Throughput-first", chat(1, 8, seed=4), 1, processes=4)
+    assert result["completed"] == 1 and len(result["client_cpu"]) == 1
 
 
 async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server):
