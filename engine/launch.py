@@ -20,6 +20,7 @@ from .settings import cache_dir
 from .steps import STEP_CLASSES_KEY
 
 GIB = 1 << 30
+CPU_WORKER = "engine.cpu_worker.SeededCPUWorker"  # engine/cpu_worker.py, by name
 SMALL_CPU_CORES = 4  # at most this many cores: every one of them runs the model
 
 
@@ -191,6 +192,9 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
             "VLLM_WORKER_MULTIPROC_METHOD", "spawn"), **compile_caches(env), **devices})
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
                                         * GIB)
+    # vLLM's own CPU worker dies on a seeded request whose prompt is prefilled in chunks
+    # (engine/cpu_worker.py).
+    args.setdefault("worker_cls", CPU_WORKER)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))
 
 

@@ -18,14 +18,17 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 
+import httpx
 import openai
 import pytest
 
 from bench.vllm_server import VllmServer
 from engine import load_config
 from engine.launch import Machine, engine_setup
+from engine.limits import SEED_MAX
 from engine.model import resolve_model
 from tests.test_accounts import add_user, store_command
 from tools.chainlit_client import ROOT, TEST_ENV, Server
@@ -363,3 +366,100 @@ async def test_the_readmes_examples_run_as_written(servers):
     out = printed.getvalue()
     assert "completion_tokens=" in out and "get_weather {'city': " in out
     assert re.search(r"\{'name': '[^']*', 'age': \d+\}", out), out
+
+
+# -- no accepted request can crash the engine (issue 52) --------------------------------------
+# Each field at its bounds (accepted) and just past them (refused by name), on both profiles.
+TOOL_CHOICES = ("auto", "required", "none", {"type": "function", "function": {"name": "get_weather"}})
+FIELD_VALUES = {
+    "seed": ([0, 42, SEED_MAX], [-1, SEED_MAX + 1, "42", 1.5]),
+    "n": ([1, 4], [0, 5, "2"]),
+    "temperature": ([0.0, 1.5], [-0.1, 1.6]),
+    "top_p": ([1e-6, 1.0], [0.0, 1.1]),
+    "max_tokens": ([1, 6], [0, -3]),
+    "logprobs": ([True, False], ["yes"]),
+    "top_logprobs": ([0, 20], [21, -1]),
+    "stop": (["\n", [".", ",", "!", "?"], []], [["a"] * 5, 5, ["x" * 201]]),
+    "presence_penalty": ([-2.0, 2.0], [-2.1, 2.1]),
+    "frequency_penalty": ([-2.0, 2.0], [2.5]),
+    "repetition_penalty": ([1e-3, 2.0], [0.0, 2.1]),
+    "top_k": ([-1, 0, 1, 1000], [-2, 1001]),
+    "min_p": ([0.0, 1.0], [-0.1, 1.1]),
+    "logit_bias": ([{"100": 100}, {"100": -100, "200": 5}], [{"100": 101}, {"99999999": 5},
+                                                             {"x": 1}]),
+    "response_format": ([{"type": "json_object"}, {"type": "text"},
+                         {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}],
+                        [{"type": "nonsense"}]),
+    "tools": ([[WEATHER]], [[{"type": "function"}]]),
+}
+PROFILES = ("Latency-first", "Throughput-first")
+
+
+def fuzz_requests() -> list[dict]:
+    """Every field alone at each value above, then combinations of in-bound values (a seeded
+    draw: the same list every run), each on both profiles, streamed and not."""
+    draw = random.Random(52)
+    bodies = []
+    for field, (good, bad) in FIELD_VALUES.items():
+        for value in [*good, *bad]:
+            body = {field: value}
+            if field == "top_logprobs":
+                body["logprobs"] = True
+            bodies.append(body)
+    for _ in range(24):
+        fields = draw.sample(sorted(FIELD_VALUES), draw.randint(3, 6))
+        body = {f: draw.choice(FIELD_VALUES[f][0]) for f in fields}
+        if "top_logprobs" in body:
+            body["logprobs"] = True
+        if "tools" in body:
+            body["tool_choice"] = draw.choice(TOOL_CHOICES)
+        body.setdefault("seed", draw.choice(FIELD_VALUES["seed"][0]))  # the path that crashed
+        bodies.append(body)
+    out = []
+    for i, body in enumerate(bodies):
+        body = {"max_tokens": 4, **body, "model": PROFILES[i % 2], "stream": i % 3 == 0,
+                "messages": [{"role": "user", "content": f"Tell me about request {i}: "
+                              "clouds, rivers, mountains and the sea."}]}
+        out.append(body)
+        out.append({**body, "model": PROFILES[(i + 1) % 2]})
+    return out
+
+
+async def test_no_request_of_any_field_at_its_bounds_crashes_or_restarts_the_engine(servers):
+    """Issue 52: a `seed` on Latency-first, whose CPU steps cut nearly every prompt into
+    pieces, killed the engine core (vLLM's CPU generator has no offset to wind back: see
+    engine/cpu_worker.py) and every user got 503 for a minute. Every sampling field at its
+    bounds, past them, and in combinations, on both profiles at once: each answer is 200 or
+    a 400 naming one of the fields sent, and no engine restarted."""
+    app = servers[2]
+    requests = fuzz_requests()
+    answers: list[tuple[dict, int, str]] = []
+    async with httpx.AsyncClient(base_url=app.url, timeout=600,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as client:
+        limit = asyncio.Semaphore(12)
+
+        async def send(body: dict) -> None:
+            async with limit:
+                answer = await client.post("/v1/chat/completions", json=body)
+                answers.append((body, answer.status_code, answer.text))
+
+        await asyncio.gather(*(send(body) for body in requests))
+        ready = (await client.get("/ready")).json()
+    assert len(answers) == len(requests) > 150
+    for body, status, text in answers:
+        if status == 200:
+            assert '"choices"' in text and "error" not in text[:40], (body, text[:300])
+            continue
+        assert status == 400, (body, status, text[:300])
+        message = json.loads(text)["error"]["message"]
+        named = [f for f in body if f not in ("model", "messages", "stream") and
+                 (f"'{f}'" in message or f in message)]
+        assert named, (body, message)
+    accepted = sum(status == 200 for _, status, _ in answers)
+    assert accepted > len(answers) // 2  # the in-bound ones, and every combination
+    seeded = [(b, t) for b, s, t in answers if s == 200 and b.get("seed") is not None
+              and b["model"] == "Latency-first"]
+    assert len(seeded) > 20
+    assert ready["engines"] and all(
+        e["restarts"] == 0 and e["healthy"] and e["unfinished_requests"] == 0
+        for e in ready["engines"].values()), ready
