@@ -7,16 +7,21 @@ its sending to its answer (at least `--window-s`):
 - small: one short message;
 - large: the largest body the API accepts (full-size messages of the profile's
   `message_chars`, the body just under VCHAT_API_MAX_BODY_MB), ending in that message; its
-  oldest turns cannot fit the context and are left out;
+  oldest turns cannot fit the context and are left out (`--messages N`: instead, at most N
+  messages in all, short ones such as "hello number 00042" in whole turns, a user's and an
+  assistant's, then the last question; 10,000 is the most a request may hold: issue 52);
 - tail: only the turns the large one kept, so the model gets a prompt as long from a
   smaller body (checked by its prompt tokens): large against tail is the app's work on the
   rest of the body, tail against small the model's on the longer prompt.
-Each request's messages start with a tag of its own, so that none finds another's prompt in
-the engine's prefix cache (`--cached` leaves them alike: the app's part alone).
-max_tokens 1. Per window: the streams' update gaps (p95, max) and /health's answer times.
+Each request's messages start with a tag of its own (digits: as many tokens each time), so
+that none finds another's prompt in the engine's prefix cache (`--cached` leaves them
+alike: the app's part alone). max_tokens 1. Per window: the streams' update gaps (p95,
+max) and /health's answer times; with the server started here, the CPU seconds its front
+end (the app's process) and its engine's processes spent while the request was taken.
 Targets: update gap p95 <= 200 ms and /health within 200 ms while the large one is taken.
 
     .venv/bin/python -m bench.big_request --users 8 --rounds 5
+    .venv/bin/python -m bench.big_request --users 4 --rounds 5 --messages 10000
     .venv/bin/python -m bench.big_request --url http://127.0.0.1:8000 --api-key KEY
                                           (a server already running, its admin `tester`)
 """
@@ -35,6 +40,7 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 
 from bench.cli import whole_number
 from tools.chainlit_client import ChatClient, Server
@@ -72,8 +78,16 @@ def full_turns(body_mb: float, message_chars: int) -> list[list[dict]]:
     return [turn] * ((int(body_mb * 1e6) - 2000) // (len(json.dumps(turn)) + 40))
 
 
+def short_turns(messages: int) -> list[list[dict]]:
+    """Short messages in whole turns of a user's and an assistant's, each as many tokens
+    long: with the last question, at most `messages` in all."""
+    return [[{"role": "user", "content": f"hello number {2 * i:05d}"},
+             {"role": "assistant", "content": f"hello number {2 * i + 1:05d}"}]
+            for i in range((messages - 1) // 2)]
+
+
 def fresh_tag() -> str:
-    return f"[{secrets.token_hex(4)}] "  # the same length each time
+    return f"[{secrets.randbelow(10 ** 8):08d}] "  # as many tokens each time
 
 
 def cached_tag() -> str:
@@ -82,6 +96,29 @@ def cached_tag() -> str:
 
 def p(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+
+
+class Cpu:
+    """CPU seconds spent so far by a server's front end (its processes but the engine's)
+    and by its engine (vLLM's processes, named VLLM::...)."""
+
+    def __init__(self, pid: int | None):
+        self.root = psutil.Process(pid) if pid else None
+
+    def now(self) -> dict[str, float]:
+        if self.root is None:
+            return {}
+        spent = {"frontend_cpu_s": 0.0, "engine_cpu_s": 0.0}
+        for proc in [self.root] + self.root.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                kind = "engine_cpu_s" if proc.name().startswith("VLLM") else "frontend_cpu_s"
+                spent[kind] += times.user + times.system
+        return spent
+
+    @staticmethod
+    def since(before: dict, after: dict) -> dict[str, float]:
+        return {k: round(after[k] - before[k], 2) for k in after}
 
 
 class Load:
@@ -171,7 +208,7 @@ async def kept_turns(requests: Requests, turns: list[list[dict]], tag) -> int:
 
 
 async def measure(url: str, key: str, users: int, rounds: int, turns: list[list[dict]],
-                  window_s: float, warmup_s: float, tag) -> tuple[dict, list[dict]]:
+                  window_s: float, warmup_s: float, tag, cpu: Cpu) -> tuple[dict, list[dict]]:
     load = Load(url, users)
     tasks = await load.start()
     out = []
@@ -183,19 +220,22 @@ async def measure(url: str, key: str, users: int, rounds: int, turns: list[list[
             for n in range(rounds):
                 taken, sent_bodies = {}, bodies(turns, kept, tag)
                 for kind in KINDS:
+                    before = cpu.now()
                     status, answer, sent = await requests.post(sent_bodies[kind])
-                    took = time.monotonic() - sent
+                    took, spent = time.monotonic() - sent, Cpu.since(before, cpu.now())
                     window = max(window_s, took)
                     await asyncio.sleep(max(0.0, window - took) + 1.0)  # its last gaps
                     taken[kind] = {"request_s": round(took, 3), "status": status,
                                    "prompt_tokens": answer.get("usage", {}).get(
-                                       "prompt_tokens"), **load.window(sent, sent + window)}
+                                       "prompt_tokens"), **spent,
+                                   **load.window(sent, sent + window)}
                 out.append(taken)
                 print(f"round {n + 1}: " + "; ".join(
                     f"{k} {v['status']} in {v['request_s']:.2f} s ({v['prompt_tokens']} prompt "
-                    f"tokens): gap p95 {v['gap_p95_ms']} max {v['gap_max_ms']} ms, /health "
-                    f"p95 {v['health_p95_ms']} max {v['health_max_ms']} ms"
-                    for k, v in taken.items()), flush=True)
+                    f"tokens, CPU s front end {v.get('frontend_cpu_s')} engine "
+                    f"{v.get('engine_cpu_s')}): gap p95 {v['gap_p95_ms']} max "
+                    f"{v['gap_max_ms']} ms, /health p95 {v['health_p95_ms']} max "
+                    f"{v['health_max_ms']} ms" for k, v in taken.items()), flush=True)
     finally:
         load.running = False
         for task in tasks:
@@ -208,7 +248,7 @@ async def measure(url: str, key: str, users: int, rounds: int, turns: list[list[
 
 def summary(rounds: list[dict]) -> dict:
     def median(kind: str, key: str):
-        values = [r[kind][key] for r in rounds if r[kind][key] is not None]
+        values = [r[kind][key] for r in rounds if r[kind].get(key) is not None]
         return statistics.median(values) if values else None
 
     def ratio(a: str, b: str):
@@ -219,8 +259,8 @@ def summary(rounds: list[dict]) -> dict:
     return {"median_gap_p95_ratio_large_to_tail": ratio("large", "tail"),
             "median_gap_p95_ratio_large_to_small": ratio("large", "small"),
             **{f"median_{kind}_{key}": median(kind, key) for kind in KINDS
-               for key in ("request_s", "gap_p95_ms", "gap_max_ms", "health_p95_ms",
-                           "health_max_ms")}}
+               for key in ("request_s", "frontend_cpu_s", "engine_cpu_s", "gap_p95_ms",
+                           "gap_max_ms", "health_p95_ms", "health_max_ms")}}
 
 
 async def run(args) -> dict:
@@ -232,13 +272,16 @@ async def run(args) -> dict:
     try:
         if server is not None:
             await server.wait_ready(timeout=900)
-        turns = full_turns(args.body_mb, args.message_chars)
-        print(f"the large request: {len(body_of(turns, cached_tag())) / 1e6:.2f} MB in {len(turns)} turns, "
-              f"{args.users} users streaming", flush=True)
+        turns = short_turns(args.messages) if args.messages else \
+            full_turns(args.body_mb, args.message_chars)
+        print(f"the large request: {len(body_of(turns, cached_tag())) / 1e6:.2f} MB in "
+              f"{len(turns)} turns ({sum(map(len, turns)) + 1} messages), {args.users} users "
+              "streaming", flush=True)
         sizes, rounds = await measure(url, key, args.users, args.rounds, turns, args.window_s,
-                                      args.warmup_s, cached_tag if args.cached else fresh_tag)
+                                      args.warmup_s, cached_tag if args.cached else fresh_tag,
+                                      Cpu(server.proc.pid if server else None))
         return {"users": args.users, "body_bytes": sizes, "window_s": args.window_s,
-                "cached": args.cached,
+                "cached": args.cached, "messages": args.messages,
                 "rounds": rounds, **summary(rounds)}
     finally:
         if server is not None:
@@ -252,6 +295,9 @@ def main() -> None:
     parser.add_argument("--body-mb", type=float, default=3.99,
                         help="the large request's size (the shipped limit: 4 MB)")
     parser.add_argument("--message-chars", type=whole_number, default=100_000)
+    parser.add_argument("--messages", type=whole_number,
+                        help="the large request: this many short messages instead (at most "
+                        "10,000: the API's MAX_MESSAGES)")
     parser.add_argument("--window-s", type=float, default=2.0,
                         help="each window at least, from its request's sending")
     parser.add_argument("--warmup-s", type=float, default=10.0)

@@ -11,7 +11,7 @@ whole turns (a user message and its reply) are dropped until the rest fits. A ne
 that cannot fit even alone is refused with the limit named.
 
 Fitting is arithmetic on the token ids each message keeps once encoded (chat_format.py),
-and only the newest turns' text is encoded, back to the first that cannot fit:
+and only the newest messages' text is encoded, back to the first that cannot fit:
 the prompt is put together, its exact length checked, and when turns must go, as many as
 cover the excess are dropped and the result checked again, since a template may change
 its pieces where a conversation now starts.
@@ -19,6 +19,7 @@ its pieces where a conversation now starts.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,16 +88,15 @@ def turn_starts(history: Sequence[Message]) -> list[int]:
 def _cannot_fit(formatter: ChatFormatter, history: Sequence[Message], starts: list[int],
                 new: Message, budget: int) -> int:
     """How many of the oldest turns cannot be kept whatever else: walking back from the
-    newest, the turn whose text alone takes the total over the budget, and every older
-    one. Their text is never encoded, so a history of megabytes costs what fits the
-    context, not its whole size (an API request may carry one: issue 26)."""
+    newest message, the turn of the first whose text takes the total over the budget, and
+    every older one. No older message's text is encoded, not even the rest of that turn's,
+    so a history of megabytes or of 10,000 messages (an API request may carry either:
+    issues 26 and 52) costs what fits the context, not what was sent."""
     total = len(formatter.content_ids(new))
-    bounds = starts + [len(history)]
-    for turn in range(len(starts) - 1, -1, -1):
-        total += sum(len(formatter.content_ids(m))
-                     for m in history[bounds[turn]:bounds[turn + 1]])
+    for i in range(len(history) - 1, -1, -1):
+        total += len(formatter.content_ids(history[i]))
         if total > budget:
-            return turn + 1
+            return bisect.bisect_right(starts, i)  # the turns up to and with message i's
     return 0
 
 

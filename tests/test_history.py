@@ -234,3 +234,73 @@ def test_a_history_far_over_the_context_encodes_only_the_turns_that_could_fit(fm
     assert len(encoded) <= 2 * kept < 100, len(encoded)
     newest = history[-kept:] + [Message("user", "the new one")]
     assert prompt.token_ids == fmt.assemble(newest)[0]
+
+
+class CountingTokenizer:
+    """A test double around the real tokenizer: it answers as the tokenizer does, and
+    counts the texts encoded and the messages the chat template rendered."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.encoded, self.rendered = tokenizer, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, text, **kwargs):
+        self.encoded += 1
+        return self._tokenizer(text, **kwargs)
+
+    def apply_chat_template(self, conversation, **kwargs):
+        self.rendered += len(conversation)
+        return self._tokenizer.apply_chat_template(conversation, **kwargs)
+
+
+def counting_formatter(fmt) -> tuple[ChatFormatter, CountingTokenizer]:
+    """A formatter on the real tokenizer, counted from after its set-up."""
+    counting = CountingTokenizer(fmt.tokenizer)
+    formatter = ChatFormatter(counting)
+    counting.encoded = counting.rendered = 0
+    return formatter, counting
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Looks a word up.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "word": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["learnt pieces", "rendered, with tools"])
+def test_10000_short_messages_cost_what_the_context_keeps(fmt, tools):
+    """Issue 52: the most messages an API request may hold (10,000), each short. Only the
+    newest, as far as the context could keep them, are encoded and rendered (not all
+    10,000), and the prompt is the one the kept turns alone give."""
+    formatter, counting = counting_formatter(fmt)
+    history = [Message(role, f"hello number {n}") for n in range(4999)
+               for role in ("user", "assistant")]
+    new = Message("user", "And the last question?")
+    prompt = fit_history(formatter, history, new, system_prompt=SYSTEM, max_model_len=2048,
+                         max_tokens=256, tools=tools)
+    kept = len(prompt.messages)  # the new message with them
+    assert prompt.dropped_turns > 4500 and prompt.prompt_tokens <= 2048 - 256
+    assert prompt.messages == history[-(kept - 1):] + [new]
+    # Each kept message, and about as many older whose text fits but not with the
+    # template's pieces between messages (the walk back counts text only).
+    assert counting.encoded <= 3 * kept < 1000, counting.encoded
+    assert counting.rendered <= 4 * kept, counting.rendered  # rendered twice at most
+    alone = fit_history(fmt, history[-(kept - 1):], new, system_prompt=SYSTEM,
+                        max_model_len=2048, max_tokens=256, tools=tools)
+    assert alone.dropped_turns == 0 and alone.token_ids == prompt.token_ids
+
+
+def test_a_turn_of_thousands_of_messages_is_encoded_only_as_far_as_it_could_fit(fmt):
+    """Regression (issue 52): a turn is a user's message and all that follows it up to the
+    next, so an API request may send one question, then 9,998 assistant messages. That
+    turn cannot fit, and it was encoded whole to learn so: 9,999 texts, a cost set by what
+    was sent. Now the walk back stops at the first message that cannot fit."""
+    formatter, counting = counting_formatter(fmt)
+    history = [Message("user", "A question.")] + [
+        Message("assistant", f"hello number {n}") for n in range(9998)]
+    new = Message("user", "And the last question?")
+    prompt = fit_history(formatter, history, new, system_prompt=SYSTEM, max_model_len=2048,
+                         max_tokens=256)
+    assert prompt.messages == [new] and prompt.dropped_turns == 1
+    assert counting.encoded < 1000, counting.encoded

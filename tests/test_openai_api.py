@@ -104,6 +104,28 @@ async def test_requests_beyond_the_profiles_limits_are_refused_naming_them(serve
         await client.chat.completions.create(model="gpt-4", messages=ask("Hi"))
 
 
+async def test_10000_short_messages_are_answered_from_the_newest_turns_that_fit(server):
+    """Issue 52: the most messages a request may hold (10,000), each short, a system prompt
+    first. Answered, from the system prompt and the newest turns that fit the context:
+    what the oldest message says changes nothing in the prompt."""
+    def messages(oldest: str) -> list[dict]:
+        turns = [{"role": role, "content": f"hello number {n}"}
+                 for n in range(4999) for role in ("user", "assistant")]
+        return [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": oldest}, *turns[1:], *ask("And the last one?")]
+
+    answers = []
+    for oldest in ("hello number 0", "Remember the word zanzibar. " * 200):
+        sent = messages(oldest)
+        assert len(sent) == 10_000
+        answers.append(await api(server).chat.completions.create(
+            model="Throughput-first", messages=sent, max_tokens=4))
+    for reply in answers:
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 4
+        assert 1000 < reply.usage.prompt_tokens <= 2048 - 4  # the context: 2,048 here
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
 def test_engine_refusals_map_to_http_statuses():
     assert refusal(Busy("full")).status == 429
     assert refusal(Unavailable("restarting")).status == 503
