@@ -123,7 +123,7 @@ async def login_checks(folder: Path):
         await aiosqlite.dispose()
         await threads.dispose()
         await layer.close()
-    return {name: (lambda s=s: s.is_live(session)) for name, s in ways.items()}, close
+    return {name: (lambda s=s: s.is_live(session, "alice")) for name, s in ways.items()}, close
 
 
 async def socket_server(in_line: bool):

@@ -5,7 +5,8 @@
     GET /export/chats/{chat id}?format=json|md      one of them
 
 Only the caller's own chats: another's, or none, is the same 404, so that nobody learns
-which chats exist. The login is checked as on every route (chat/logins.py).
+which chats exist. The login is checked as on every route (chat/logins.py). A file is
+never taken for another type (`nosniff`: a browser does not run a Markdown file as HTML).
 """
 
 from __future__ import annotations
@@ -55,4 +56,4 @@ def _file(chats: list, kind: str, stem: str) -> Response:
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     return Response(render(chats), media_type=media, headers={
         "Content-Disposition": f'attachment; filename="{stem}-{day}.{kind}"',
-        "Cache-Control": "no-store"})
+        "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})

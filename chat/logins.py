@@ -1,12 +1,14 @@
-"""Login sessions on Chainlit's server: a token works only while its session is live
-(store/sessions.py), wherever it is presented (issue 26: a removed account's cookie still
-read its chats, its socket still got answers, and POST /auth/jwt renewed it).
+"""Login sessions on Chainlit's server: a token works only while its session is live and
+the session is the account's the token names (store/sessions.py), wherever it is presented
+(issue 26: a removed account's cookie still read its chats, its socket still got answers,
+and POST /auth/jwt renewed it; issue 52: a token naming alice with bob's live session got
+in as alice).
 
 - A login opens a session; its id rides in the token (the user's metadata, `session`:
   never stored with the user, store/data_layer.py).
 - Every HTTP route that asks Chainlit for the current user gets it from `current_user`
   here (FastAPI's dependency override): the token's signature and expiry as before, and its
-  session live in the database.
+  session live in the database and its account's.
 - A socket connects only with a live session (chat/guard.py's connect check calls
   `live_token`), and each message is checked again before it is answered; `Sweeper` closes,
   once a second, the sockets whose session ended (logout, account removed, password
@@ -31,15 +33,15 @@ from chainlit.session import WebsocketSession, ws_sessions_id
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
 from store.data_layer import SESSION_KEY
-from store.sessions import LoginSessions
+from store.sessions import Login, LoginSessions
 
 log = logging.getLogger(__name__)
 
 SWEEP_S = 1.0  # how often open sockets' sessions are checked
 
 
-def session_of(token: str | None) -> str | None:
-    """The session id a validly signed, unexpired token carries, else None."""
+def login_of(token: str | None) -> Login | None:
+    """(session id, account identifier) of a validly signed, unexpired token, else None."""
     if not token:
         return None
     try:
@@ -47,7 +49,8 @@ def session_of(token: str | None) -> str | None:
     except Exception:  # bad signature, expired, not a token: no session
         return None
     session = (user.metadata or {}).get(SESSION_KEY)
-    return session if isinstance(session, str) else None
+    return (session, user.identifier) if isinstance(session, str) and \
+        isinstance(user.identifier, str) else None
 
 
 def bearer(request: Request) -> str | None:
@@ -71,8 +74,8 @@ class Logins:
         return {SESSION_KEY: await self.sessions.open(identifier, self.lifetime_s)}
 
     async def live_token(self, token: str | None) -> bool:
-        session = session_of(token)
-        return session is not None and await self.sessions.is_live(session)
+        login = login_of(token)
+        return login is not None and await self.sessions.is_live(*login)
 
     def install(self, http) -> None:
         """Chainlit's current-user dependency, for every route that has it."""
@@ -93,10 +96,10 @@ class Logins:
     async def logout(self, request: Request, response: Response) -> dict:
         """The session of this browser's token ends (on every replica at once), its
         sockets close, and the cookie is cleared."""
-        session = session_of(get_token_from_cookies(request.cookies) or bearer(request))
-        if session is not None:
-            await self.sessions.end(session)
-            await self.close_sockets(lambda s: session_of(s.token) == session)
+        login = login_of(get_token_from_cookies(request.cookies) or bearer(request))
+        if login is not None:
+            await self.sessions.end(*login)
+            await self.close_sockets(lambda s: login_of(s.token) == login)
         clear_auth_cookie(request, response)
         return {"success": True}
 
@@ -116,7 +119,7 @@ class Logins:
 
     async def sweep(self) -> int:
         """Close the sockets whose login session is no longer live; how many."""
-        held = {s.id: session_of(s.token) for s in list(ws_sessions_id.values())
+        held = {s.id: login_of(s.token) for s in list(ws_sessions_id.values())
                 if s.token is not None}
         if not held:
             return 0

@@ -15,7 +15,9 @@ for them, by OpenID Connect or through a trusted proxy's header.
   SSO gateway): taken only from the proxy's own addresses (VCHAT_HEADER_AUTH_PROXIES); a
   request from anywhere else is refused before Chainlit reads the header. The address is the
   connection's own, recorded before uvicorn replaces it with a forwarded one
-  (`remember_peers`), so a client cannot name itself the proxy in X-Forwarded-For.
+  (`remember_peers`), so a client cannot name itself the proxy in X-Forwarded-For. Its
+  value is read as UTF-8 (`header_text`: Starlette reads headers as Latin-1, and made
+  `jörg@` into `jÃ¶rg@`).
 - Either way the login opens a session as a password login does (chat/logins.py); after
   that, Chainlit's own signed token (its cookie) is what each request shows.
 """
@@ -161,9 +163,10 @@ class HeaderLogin:
         return any(ip in network for network in self.proxies)
 
     async def login(self, headers: Mapping[str, str]):
-        groups = groups_of(headers.get(self.groups_header.lower(), "")) \
+        groups = groups_of(header_text(headers.get(self.groups_header.lower(), ""))) \
             if self.groups_header else []
-        return await self.sso.let_in(headers.get(self.header), groups, None, "header")
+        return await self.sso.let_in(header_text(headers.get(self.header)), groups, None,
+                                     "header")
 
     def install(self, http) -> None:
         """POST /auth/header from anywhere but the proxies is refused, unread."""
@@ -179,6 +182,17 @@ class HeaderLogin:
                 return JSONResponse({"detail": "Logins by header are taken only from the "
                                      "sign-in proxy."}, status_code=403)
             return await call_next(request)
+
+
+def header_text(value: str | None) -> str | None:
+    """A header's value as the UTF-8 that proxies send: Starlette gives its bytes read as
+    Latin-1. Bytes that are not UTF-8 keep the Latin-1 reading (what they were then)."""
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:  # not UTF-8, or not read from bytes (already text)
+        return value
 
 
 def remember_peers() -> None:

@@ -11,8 +11,8 @@ statement is fixed text from store/queries.py with its values bound.
 - Guarded, where Chainlit's was not: a step's id that is another chat's is refused (a
   client chooses its messages' ids), a step or element goes only from the session's own
   chat, a thread's owner never changes, feedback is written and deleted only by the owner
-  of its chat (`upsert_feedback` / `delete_feedback` take the owner: the app's own routes,
-  chat/guard.py, call them).
+  of its chat, one per step (`upsert_feedback` / `delete_feedback` take the owner: the
+  app's own routes, chat/guard.py, call them).
 - A failed statement is rolled back, logged, counted (`failures`, shown by /ready) and
   raised (Chainlit's caught everything and only logged). Chainlit writes steps in tasks it
   does not await, so `settle(thread_id)` waits for a thread's writes and returns what
@@ -312,15 +312,14 @@ class ChatDataLayer(BaseDataLayer):
 
     async def upsert_feedback(self, feedback: Feedback, owner: str | None = None
                               ) -> str | None:
-        """The feedback's id, or None when its step is not in a chat of `owner` (or its id
-        is another step's feedback): nothing is written then."""
+        """The step's one feedback, made or changed: its id (whatever id the client sent),
+        or None when the step is not in a chat of `owner`: nothing is written then."""
         if owner is None:
             return None  # Chainlit's own route would write for anyone: the app's routes call
-        feedback_id = feedback.id or str(uuid.uuid4())
         written = await self.execute_sql(q.FEEDBACK_UPSERT, {
-            "id": feedback_id, "for_id": feedback.forId, "owner": owner,
+            "id": str(uuid.uuid4()), "for_id": feedback.forId, "owner": owner,
             "value": int(feedback.value), "comment": feedback.comment})
-        return feedback_id if written else None
+        return written[0]["id"] if written else None
 
     async def delete_feedback(self, feedback_id: str, owner: str | None = None) -> bool:
         if owner is None:

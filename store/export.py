@@ -15,11 +15,18 @@ shape, also in the README's "Using the app":
 
 Messages are the chat's as the page showed them, oldest first (the app's notices are
 assistant messages too); times are UTC ISO 8601 as stored.
+
+The Markdown is for reading: a heading per chat and per message. What a user or the model
+wrote cannot pass for the export's own (issue 52): in their text, outside fenced code
+blocks, a line that would make a heading (`#`, or a `===`/`---` underline) has its mark
+escaped and raw HTML is escaped as entities (`&lt;`); a code block left open is closed
+where its message ends. The JSON keeps the text as it was.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import date, datetime, timezone
 
@@ -137,22 +144,58 @@ def as_markdown(chats: list[ExportedChat]) -> str:
     parts = []
     for c in chats:
         parts.append(f"# {_line(c.name) or 'Chat'}\n\n"
-                     f"*{c.owner or '?'}, {c.created_at or '?'}"
-                     f"{', ' + c.profile if c.profile else ''}; chat {c.id}*\n")
+                     f"*{_line(c.owner) or '?'}, {c.created_at or '?'}"
+                     f"{', ' + _line(c.profile) if c.profile else ''}; chat {c.id}*\n")
         for m in c.messages:
             head = "You" if m.role == "user" else "Assistant"
-            notes = [n for n in (m.profile if m.role == "assistant" else None,
+            notes = [n for n in (_line(m.profile) if m.role == "assistant" else None,
                                  "stopped" if m.stopped else None) if n]
             if m.feedback:
                 notes.append(f"thumbs {m.feedback['thumbs']}" + (
                     f": {_line(m.feedback['comment'])}" if m.feedback.get("comment") else ""))
             parts.append(f"## {head} ({m.created_at or '?'}"
-                         f"{'; ' + '; '.join(notes) if notes else ''})\n\n{m.text}\n")
+                         f"{'; ' + '; '.join(notes) if notes else ''})\n\n"
+                         f"{_markdown_text(m.text)}\n")
     return "\n".join(parts) or "No chats.\n"
 
 
 def _line(value: str | None) -> str:
-    return " ".join((value or "").split())
+    """One line of text for a heading or note: no Markdown structure, no raw HTML."""
+    return _no_html(" ".join((value or "").split()))
+
+
+def _no_html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")  # CommonMark's code fence
+_HEADING = re.compile(r"^( {0,3})(#)")
+_UNDERLINE = re.compile(r"^( {0,3})([=-])(?=[=-]*[ \t\r]*$)")  # makes the line above one
+
+
+def _markdown_text(text: str) -> str:
+    """A message's text in the Markdown export: its fenced code as written; elsewhere no
+    line that makes a heading and no raw HTML."""
+    out, fence, above = [], None, ""
+    for line in text.split("\n"):
+        mark = _FENCE.match(line)
+        if fence is not None:  # inside a code block: as written, until its closing fence
+            if mark and mark[1][0] == fence[0] and len(mark[1]) >= len(fence) and \
+                    not line[mark.end():].strip():
+                fence = None
+            out.append(line)
+        elif mark and not (mark[1][0] == "`" and "`" in line[mark.end():]):
+            fence = mark[1]
+            out.append(line)
+        else:
+            line = _HEADING.sub(r"\1\\\2", _no_html(line), count=1)
+            if above.strip():
+                line = _UNDERLINE.sub(r"\1\\\2", line, count=1)
+            out.append(line)
+        above = line if fence is None else ""
+    if fence is not None:  # closed here, so that it cannot take in the next heading
+        out.append(fence)
+    return "\n".join(out)
 
 
 def read(data: str | bytes) -> list[ExportedChat]:

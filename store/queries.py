@@ -11,7 +11,8 @@ Writes that could reach another account's rows are guarded in the statement itse
 - a step's upsert updates only a step of the same thread (a client picks its messages'
   ids, and may pick one of another chat's);
 - a thread's upsert never changes its owner;
-- feedback is written only for a step in a chat of the given owner, and deleted likewise.
+- feedback is written only for a step in a chat of the given owner, one per step, and
+  deleted likewise.
 """
 
 from __future__ import annotations
@@ -107,16 +108,17 @@ STEPS_OF_USER = (
     'WHERE t."userId" = :user_id ORDER BY s."createdAt" DESC')
 
 # -- feedback -------------------------------------------------------------------------
-# Written only for a step in a chat of :owner; an existing feedback is changed only for
-# the same step (its id is the client's).
+# One feedback per step (feedbacks_one_per_step), written only for a step in a chat of
+# :owner: the step's feedback is made, or changed in place, in one statement, which returns
+# its id. :id is a new one, never the client's: a client's id names no row to overwrite.
 FEEDBACK_UPSERT = (
     'INSERT INTO feedbacks ("id", "forId", "threadId", "value", "comment") '
     'SELECT CAST(:id AS TEXT), s."id", s."threadId", CAST(:value AS INTEGER), '
     'CAST(:comment AS TEXT) FROM steps s '
     'JOIN threads t ON t."id" = s."threadId" '
     'WHERE s."id" = :for_id AND t."userIdentifier" = :owner '
-    'ON CONFLICT ("id") DO UPDATE SET "value" = excluded."value", '
-    '"comment" = excluded."comment" WHERE feedbacks."forId" = excluded."forId"')
+    'ON CONFLICT ("forId") DO UPDATE SET "value" = excluded."value", '
+    '"comment" = excluded."comment" RETURNING "id"')
 FEEDBACK_DELETE = (
     'DELETE FROM feedbacks WHERE "id" = :id AND "threadId" IN '
     '(SELECT "id" FROM threads WHERE "userIdentifier" = :owner)')

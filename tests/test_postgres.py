@@ -13,7 +13,8 @@ from sqlalchemy import inspect, text
 from store.accounts import Accounts
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
-from tests.test_store import hostile_round, set_up_at_once
+from tests.test_store import (feedback_duplicates_go_at_migration_7, hostile_round,
+                              one_feedback_per_step, set_up_at_once)
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
 from tools.postgres import Postgres, binaries
 
@@ -98,18 +99,34 @@ async def test_chainlits_layer_round_trips_and_reports_failures_on_postgresql(db
         await layer.engine.dispose()
 
 
-async def test_hostile_values_reach_no_statements_text_and_no_other_account_on_postgresql(
-        db_url):
+@pytest.fixture
+async def layer(db_url):
+    """The chat data layer on a new database at the current schema version."""
     from store.data_layer import ChatDataLayer
 
     engine = connect(db_url)
     await migrate(engine)
     await engine.dispose()
-    layer = ChatDataLayer(db_url)
+    made = ChatDataLayer(db_url)
+    yield made
+    await made.close()
+
+
+async def test_hostile_values_reach_no_statements_text_and_no_other_account_on_postgresql(
+        layer):
+    await hostile_round(layer)
+
+
+async def test_one_feedback_per_step_however_many_ratings_come_at_once_on_postgresql(layer):
+    await one_feedback_per_step(layer)
+
+
+async def test_feedback_duplicates_go_at_migration_7_on_postgresql(db_url):
+    engine = connect(db_url)
     try:
-        await hostile_round(layer)
+        await feedback_duplicates_go_at_migration_7(engine)
     finally:
-        await layer.engine.dispose()
+        await engine.dispose()
 
 
 async def test_the_app_on_postgresql_keeps_chats_apart_and_across_a_restart(pg, tmp_path):

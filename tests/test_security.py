@@ -341,6 +341,64 @@ async def test_a_token_is_not_renewed_past_its_sessions_end_or_without_one(site)
             assert renewed.status_code == used.status_code == 401, name
 
 
+async def test_a_token_naming_one_account_with_anothers_live_session_is_refused(
+        site, monkeypatch):
+    """Regression (issue 52): the login check asked whether a token's session was live, not
+    whether it was the account's the token names: a token signed with the server's secret
+    naming victor (logged out everywhere) or the admin, carrying oscar's live session id,
+    was accepted on every route, at the socket and by /auth/jwt, and its logout ended
+    oscar's session. Tried many at once, each is refused, while a token of oscar's own with
+    the same session, made the same way, is taken."""
+    from chainlit.auth import create_jwt
+    from chainlit.user import User
+
+    from store.setup import auth_secret
+
+    for name in ("victor", "oscar"):
+        add_user(site.server, name, f"{name}'s long password")
+    await ChatClient(site.server.url, "Latency-first", user="victor",
+                     password="victor's long password").login()
+    store_command(site.server, "users", "logout", "victor")
+    own = await ChatClient(site.server.url, "Latency-first", user="oscar",
+                           password="oscar's long password").login()
+    session = jwt.decode(own, options={"verify_signature": False})["metadata"]["session"]
+    monkeypatch.setenv("CHAINLIT_AUTH_SECRET", auth_secret(
+        Path(site.server.env["VCHAT_DATA_DIR"]), env=site.server.env))
+    forged = [create_jwt(User(identifier=name, metadata={"role": role, "session": session}))
+              for name, role in (("victor", "user"), (TEST_USER, "admin"))]
+    oscars = create_jwt(User(identifier="oscar", metadata={"role": "user", "session": session}))
+
+    async def tried(http: httpx.AsyncClient, token: str) -> list[int]:
+        cookie = {"Cookie": f"access_token={token}"}
+        answers = await asyncio.gather(
+            http.get("/user", headers=cookie),
+            http.post("/project/threads", headers=cookie,
+                      json={"pagination": {"first": 20}, "filter": {}}),
+            http.get("/export/chats", headers=cookie),
+            http.post("/auth/jwt", headers={"Authorization": f"Bearer {token}"}))
+        return [r.status_code for r in answers]
+
+    async def connects(token: str) -> bool:
+        client = mallory(site)
+        try:
+            await client.connect_with(token)
+        except socketio.exceptions.ConnectionError:
+            return False
+        await client.close()
+        return True
+
+    async with httpx.AsyncClient(base_url=site.server.url, timeout=60) as http:
+        codes = await asyncio.gather(*[tried(http, t) for t in forged * 4 + [oscars]])
+        opened = await asyncio.gather(*[connects(t) for t in forged * 3 + [oscars]])
+        assert codes == [[401] * 4] * 8 + [[200] * 4], codes
+        assert opened == [False] * 6 + [True]
+        for token in forged:  # a forged token's logout ends nobody's session
+            assert (await http.post("/logout", headers={"Cookie": f"access_token={token}"})
+                    ).status_code == 200
+        me = await http.get("/user", headers={"Cookie": f"access_token={own}"})
+    assert me.status_code == 200 and me.json()["identifier"] == "oscar"
+
+
 # -- other origins --------------------------------------------------------------------
 
 

@@ -86,6 +86,52 @@ async def test_single_sign_on_makes_one_account_follows_the_role_and_takes_over_
         await engine.dispose()
 
 
+async def test_a_header_login_reads_the_proxys_utf8_names(tmp_path):
+    """Regression (issue 52): Starlette reads a header's bytes as Latin-1, so the proxy's
+    UTF-8 `jörg@example.com` logged in (and made the account) `jÃ¶rg@example.com`, and a
+    group named in UTF-8 was not found. Through real requests from the proxy's address
+    (the middleware `install` adds, and the callback given `request.headers` as Chainlit's
+    POST /auth/header gives it), several at once: names and groups are read as UTF-8, and
+    bytes that are not UTF-8 keep their Latin-1 reading."""
+    import httpx
+    from fastapi import FastAPI
+    from starlette.responses import JSONResponse
+
+    from chat.sso import HEADER_LOGIN_PATH
+
+    engine = connect(f"sqlite+aiosqlite:///{tmp_path / 'chat.db'}")
+    await migrate(engine)
+
+    async def open_session(name):
+        return {"session": "s"}
+
+    sso = SingleSignOn(Accounts(engine), open_session,
+                       Policy(domains=("example.com",), groups=("équipe",)))
+    login = HeaderLogin(sso, "X-Email", "X-Groups", ["127.0.0.1"])
+    app = FastAPI()
+    login.install(app)
+
+    async def header_auth(request):
+        user = await login.login(request.headers)
+        return JSONResponse({"identifier": user.identifier if user else None})
+
+    app.add_route(HEADER_LOGIN_PATH, header_auth, methods=["POST"])
+
+    sent = {"jörg@example.com".encode(): "jörg@example.com",
+            "zoë.ĳssel@example.com".encode(): "zoë.ĳssel@example.com",
+            b"ren\xe9@example.com": "rené@example.com"}  # Latin-1 bytes, not UTF-8
+    transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 40000))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            answers = await asyncio.gather(*[http.post(HEADER_LOGIN_PATH, headers=[
+                (b"X-Email", name), (b"X-Groups", "équipe".encode())]) for name in sent])
+        assert [r.json().get("identifier") for r in answers] == list(sent.values()), \
+            [r.text for r in answers]
+        assert {a.identifier for a in await Accounts(engine).list()} == set(sent.values())
+    finally:
+        await engine.dispose()
+
+
 def test_the_app_refuses_to_start_with_no_way_to_log_in():
     env = {**os.environ, "VCHAT_PASSWORD_LOGIN": "0"}
     no_login, open_header = side_by_side(  # at once: each spends ~15 s importing vLLM

@@ -289,7 +289,10 @@ async def test_login_checks_asked_together_share_one_query_that_reads_past_the_w
     is answered from a query begun after it was asked. On SQLite the query is one call of
     the standard sqlite3 module on the event loop's thread: aiosqlite's awaited calls, or a
     thread per query, each wait behind everything a busy loop runs (BENCHMARKS.md,
-    "2026-12-03: what holds Latency-first's first token", item 7)."""
+    "2026-12-03: what holds Latency-first's first token", item 7). Regression (issue 52):
+    the check asked only whether the session was live, so a token naming alice with bob's
+    live session got in as alice; in the same shared query, bob's session is live for bob
+    only, and only bob can end it."""
     import asyncio
 
     from sqlalchemy import event
@@ -297,14 +300,16 @@ async def test_login_checks_asked_together_share_one_query_that_reads_past_the_w
     from store.sessions import LoginSessions
 
     await Accounts(layer.engine).add("alice", "correct horse battery")
+    await Accounts(layer.engine).add("bob", "bob's battery staple")
     sessions = LoginSessions(layer.engine, layer.reader)
     ids = [await sessions.open("alice", 3600) for _ in range(4)]
+    bobs = await sessions.open("bob", 3600)
     if layer.sqlite:
         assert layer.reader.sync_engine.dialect.driver == "pysqlite"
         threads = []
         on_thread = lambda *args: threads.append(threading.current_thread())  # noqa: E731
         event.listen(layer.reader.sync_engine, "before_cursor_execute", on_thread)
-        assert await sessions.is_live(ids[0]) is True
+        assert await sessions.is_live(ids[0], "alice") is True
         assert threads == [threading.current_thread()], threads
         event.remove(layer.reader.sync_engine, "before_cursor_execute", on_thread)
     queries = []
@@ -313,17 +318,23 @@ async def test_login_checks_asked_together_share_one_query_that_reads_past_the_w
     async with layer.engine.begin() as writing:  # the writer's connection and lock held
         await writing.execute(text('UPDATE accounts SET "role" = "role"'))
         answers = await asyncio.wait_for(asyncio.gather(
-            *[sessions.is_live(s) for s in ids * 8], sessions.is_live("no such session"),
-            sessions.is_live(None)), timeout=10)
-    assert answers == [True] * 32 + [False, False]
+            *[sessions.is_live(s, "alice") for s in ids * 8],
+            *[sessions.is_live(bobs, "alice"), sessions.is_live(ids[0], "bob"),
+              sessions.is_live(bobs, "bob")] * 4,
+            sessions.is_live("no such session", "alice"), sessions.is_live(None, "alice"),
+            sessions.is_live(bobs, None)), timeout=10)
+    assert answers == [True] * 32 + [False, False, True] * 4 + [False] * 3
     assert len(queries) == 1, queries
-    await sessions.end(ids[0])
-    gone = asyncio.create_task(sessions.is_live(ids[1]))  # its caller goes away
-    kept = asyncio.create_task(sessions.is_live(ids[0]))
+    assert await sessions.live([(bobs, "alice"), (bobs, "bob"), (ids[1], "bob"), None]) == \
+        {(bobs, "bob")}, "the sweeper's check: pairs"
+    assert await sessions.end(bobs, "alice") is False and await sessions.is_live(bobs, "bob")
+    await sessions.end(ids[0], "alice")
+    gone = asyncio.create_task(sessions.is_live(ids[1], "alice"))  # its caller goes away
+    kept = asyncio.create_task(sessions.is_live(ids[0], "alice"))
     await asyncio.sleep(0)
     gone.cancel()
     assert await kept is False, "the end is seen by the next check"
-    assert [await sessions.is_live(s) for s in ids] == [False, True, True, True]
+    assert [await sessions.is_live(s, "alice") for s in ids] == [False, True, True, True]
 
 
 def store_command(tmp_path, *args, stdin: str = ""):
@@ -439,6 +450,80 @@ async def hostile_round(layer) -> None:
 
 async def test_hostile_values_reach_no_statements_text_and_no_other_account(layer):
     await hostile_round(layer)
+
+
+async def one_feedback_per_step(layer) -> None:
+    """Regression (issue 52): ratings of one reply at once without a feedback id each made
+    a row, and the chat read back held the reply once per row. Nine at once, with no id,
+    another step's feedback id or an unknown one, make one row for the step, changed in
+    place, and leave the other step's feedback as it was. Shared with
+    tests/test_postgres.py (where the nine race on connections of their own)."""
+    import uuid
+
+    from chainlit.types import Feedback
+    from chainlit.user import User
+
+    init_http_context()
+    alice = await layer.create_user(User(identifier="alice", metadata={}))
+    thread = str(uuid.uuid4())
+    await layer.update_thread(thread, name="Rated", user_id=alice.id)
+    asked = Message(content="A question.", type="user_message")
+    said = Message(content="A reply.", type="assistant_message")
+    for message in (asked, said):
+        message.thread_id = thread
+        await layer.create_step(message.to_dict())
+    other = await layer.upsert_feedback(Feedback(forId=asked.id, value=1, comment="kept"),
+                                        owner="alice")
+    given = [None, other, str(uuid.uuid4())]
+    rated = await asyncio.gather(*[layer.upsert_feedback(
+        Feedback(forId=said.id, value=0, comment=f"try {n}", id=given[n % 3]),
+        owner="alice") for n in range(9)])
+    assert len(set(rated)) == 1 and other not in rated, rated
+    assert await layer.upsert_feedback(Feedback(forId=said.id, value=1, comment="final"),
+                                       owner="alice") == rated[0]
+    steps = (await layer.get_thread(thread))["steps"]
+    assert len(steps) == 2, "each step once"
+    assert {s["id"]: s["feedback"] for s in steps} == {
+        asked.id: {"id": other, "forId": asked.id, "value": 1, "comment": "kept"},
+        said.id: {"id": rated[0], "forId": said.id, "value": 1, "comment": "final"}}
+    async with layer.engine.connect() as conn:
+        assert (await conn.execute(text("SELECT COUNT(*) FROM feedbacks"))).scalar() == 2
+
+
+async def test_one_feedback_per_step_however_many_ratings_come_at_once(layer):
+    await one_feedback_per_step(layer)
+
+
+async def feedback_duplicates_go_at_migration_7(engine) -> None:
+    """The duplicate feedbacks that concurrent first ratings made before migration 7 are
+    dropped by it, one kept per step, and no second one can be written after. Shared with
+    tests/test_postgres.py."""
+    from sqlalchemy.exc import IntegrityError
+
+    await migrate(engine)
+    async with engine.begin() as conn:  # back to version 6, with duplicates
+        for sql in ('DROP INDEX feedbacks_one_per_step',
+                    'ALTER TABLE usage DROP COLUMN "pending"',
+                    'UPDATE schema_version SET version = 6',
+                    """INSERT INTO threads ("id") VALUES ('t')"""):
+            await conn.execute(text(sql))
+        for n, step in enumerate(["s1"] * 5 + ["s2"]):
+            await conn.execute(text(
+                'INSERT INTO feedbacks ("id", "forId", "threadId", "value") '
+                "VALUES (:id, :step, 't', 0)"), {"id": f"f{n}", "step": step})
+    assert await migrate(engine) == (6, SCHEMA_VERSION)
+    async with engine.connect() as conn:
+        kept = (await conn.execute(text(
+            'SELECT "forId", "id" FROM feedbacks ORDER BY "forId"'))).all()
+    assert [tuple(row) for row in kept] == [("s1", "f4"), ("s2", "f5")]
+    with pytest.raises(IntegrityError):
+        async with engine.begin() as conn:
+            await conn.execute(text('INSERT INTO feedbacks ("id", "forId", "threadId", '
+                                    """"value") VALUES ('f6', 's1', 't', 1)"""))
+
+
+async def test_feedback_duplicates_go_at_migration_7(engine):
+    await feedback_duplicates_go_at_migration_7(engine)
 
 
 async def test_usage_rows_are_written_together_and_kept_while_the_database_refuses(engine):
