@@ -33,7 +33,7 @@ from chat.panel import profile_menu, settings_panel
 from chat.session import Conversation, cut_off_run, stored_turns
 from chat.sso import HeaderLogin, SingleSignOn
 from chat.streaming import Pace
-from chat.turns import REGENERATE, Turns, user_name
+from chat.turns import REGENERATE, Turns, reply_room, user_name
 from chat.view import CLOSING, CUT_OFF, RANDOM_WEIGHTS, STAND_IN, page_notice
 from engine import ChatError, ConfigError, Engines, Message, load_config
 from engine.settings import check_all, setting
@@ -42,6 +42,7 @@ from service.input import check_message
 from service.shutdown import Shutdown
 from service.turn_metrics import JsonLines, TurnMetrics, TurnRecord
 from store.accounts import Accounts, AddressThrottle
+from store.admission import Admission
 from store.api_keys import ApiKeys
 from store.data_layer import ChatDataLayer, StoreError
 from store.guests import Guests, invited_profile
@@ -94,7 +95,7 @@ try:
     STORE = ChatDataLayer(database_url(DATA_DIR))
     ACCOUNTS = Accounts(STORE.engine)
     # What each turn cost and each account's daily token quota (store/usage.py).
-    USAGE = Usage(STORE.engine, STORE.reader)
+    USAGE = Usage(STORE.engine)
     slow_failing_addresses(http, AddressThrottle(STORE.engine))
     # A login token works while its session in the database is live (chat/logins.py); what
     # clients send is checked where it enters, bodies bounded, origins kept to this server's
@@ -117,12 +118,15 @@ try:
     # A demo's guests (store/invites.py, store/guests.py): their chats capped, and gone
     # after the retention.
     GUESTS = Guests(STORE.engine, setting("VCHAT_GUEST_CHATS"),
-                    setting("VCHAT_GUEST_RETENTION_DAYS"), STORE.reader,
+                    setting("VCHAT_GUEST_RETENTION_DAYS"),
                     setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS"),
                     setting("VCHAT_GUEST_TURNS_PER_MINUTE"),
                     setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE"))
+    # Whether an account may take a turn now, its place taken at once (store/admission.py).
+    ADMISSION = Admission(STORE.engine, GUESTS.limits, STORE.reader)
     GUARD = Guard(LOGINS, STORE, sharing=chainlit_config.features.allow_thread_sharing,
-                  quota=USAGE.refusal, guest_turn=GUESTS.turn_refusal)
+                  admission=ADMISSION, reply_room=reply_room,
+                  refusal_of=lambda session, text: TURNS.refusal_of(session, text))
     GUARD.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
     # One of several processes sharing each engine's core (service/front_ends.py): calls
@@ -133,7 +137,8 @@ try:
         chainlit_config.project.transports = ["websocket"]
     # VCHAT_DEMO=open: anyone who opens the page chats as a guest (chat/invites.py), and
     # every page's banner says it is a demo.
-    DEMO = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY")) \
+    DEMO = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY"),
+                    setting("VCHAT_DEMO_GUESTS_PER_ADDRESS")) \
         if setting("VCHAT_DEMO") == "open" else None
     # GET /ready, /notice and /metrics (api/ops.py), the app's series by profile in it.
     OPS = Ops(ENGINES, SHUTDOWN, STORE, page_notice if DEMO is None else (
@@ -142,7 +147,8 @@ try:
     # GET /export/chats[/ID]: a user's own chats as Markdown or JSON (chat/downloads.py).
     http.include_router(Downloads(STORE.engine).router)
     # GET/POST /invite/TOKEN: a demo's invite link, a guest's name, its chat (chat/invites.py).
-    JOINING = InvitePage(Invites(STORE.engine), LOGINS.open, chainlit_config.ui.name,
+    JOINING = InvitePage(Invites(STORE.engine), setting("VCHAT_GUEST_LOGIN_HOURS") * 3600,
+                         chainlit_config.ui.name,
                          setting("VCHAT_GUEST_DAILY_TOKENS"), DEMO,
                          setting("VCHAT_GUEST_JOINS_PER_ADDRESS"))
     http.include_router(JOINING.router)
@@ -156,10 +162,11 @@ try:
     forget.report_to(TURN_METRICS.sessions_held)
     # /v1: the OpenAI-compatible API on the same engines, for the operator's key and accounts'.
     API = OpenAIApi(ENGINES, CONFIG, TURN_METRICS, ApiKeys(STORE.engine).account_of,
-                    setting("VCHAT_API_KEY"), USAGE, ignore_eos=IGNORE_EOS)
+                    setting("VCHAT_API_KEY"), USAGE, ADMISSION, ignore_eos=IGNORE_EOS)
     http.include_router(API.router)
     # A turn from admission to its stored reply (chat/turns.py).
-    TURNS = Turns(ENGINES, TURN_METRICS, SHUTDOWN, STORE, PACE, USAGE, ignore_eos=IGNORE_EOS)
+    TURNS = Turns(ENGINES, TURN_METRICS, SHUTDOWN, STORE, PACE, USAGE, GUARD.hold,
+                  ignore_eos=IGNORE_EOS)
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
@@ -340,8 +347,10 @@ async def settings_update(values: dict) -> None:
 async def on_message(message: cl.Message) -> None:
     """Check the message, answer it; whatever goes wrong, the user gets a plain message."""
     arrival = GUARD.arrival(cl.context.session.id)  # taken whatever happens to the message
+    hold = GUARD.hold(cl.context.session.id)  # its place in the account's limits, likewise
     conv: Conversation = cl.user_session.get("conversation")
     if SHUTDOWN.closing:
+        TURNS.give_back(hold)
         TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
                                        reason="closing", message=message.content))
         await cl.Message(content=CLOSING).send()
@@ -352,12 +361,13 @@ async def on_message(message: cl.Message) -> None:
         checked = check_message(message.content, conv.profile.limits.message_chars)
         conv.begin_turn()
     except ChatError as exc:  # refused: nothing is stored, the chat goes on
+        TURNS.give_back(hold)
         TURN_METRICS.refuse(TurnRecord("refused", user_name(), conv.profile.name,
                                        reason="message", message=message.content[:1000]))
         await cl.Message(content=str(exc)).send()
         return
     await TURNS.take(conv, Message("user", checked.text), message.id, checked.notice,
-                     arrival=arrival)
+                     arrival=arrival, hold=hold)
 
 
 @cl.action_callback(REGENERATE)

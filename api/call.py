@@ -60,6 +60,7 @@ class Call:
 
     def end(self, exc: BaseException | None = None) -> None:
         self.turn.reply = self.choices.text(0)
+        self.turn.replies = [self.choices.text(i) for i in range(len(self.choices.texts))]
         self.turn.end(exc)
 
     def failed(self, exc: BaseException) -> Response:

@@ -38,6 +38,7 @@ from engine import ChatError, Engines
 from engine.config import Config
 from service.turn import Turn
 from service.turn_metrics import TurnMetrics
+from store.admission import Admission
 from store.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,11 @@ class OpenAIApi:
 
     def __init__(self, engines: Engines, config: Config, turns: TurnMetrics,
                  account_of: Callable[[str], Awaitable[str | None]],
-                 operator_key: str | None, usage: Usage, ignore_eos: bool = False):
+                 operator_key: str | None, usage: Usage, admission: Admission,
+                 ignore_eos: bool = False):
         self.engines, self.config, self.turns = engines, config, turns
-        self.usage = usage  # each turn's cost stored, an account's quota checked
+        self.usage = usage  # each turn's cost stored (store/usage.py)
+        self.admission = admission  # an account's quota, decided as its turn is taken
         self.account_of, self.operator_key = account_of, operator_key
         self.ignore_eos = ignore_eos  # benchmarks only, as in the chat (VCHAT_BENCH_IGNORE_EOS)
         self.router = APIRouter(prefix="/v1")
@@ -92,8 +95,6 @@ class OpenAIApi:
         """A request read by `read`, answered by a `call_class` (a Call)."""
         try:
             account = await self.caller(request)
-            if refused := await self.usage.refusal(account):
-                raise ApiError(429, refused, "insufficient_quota", "quota_exceeded")
             session = session_key(request)
             raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
             profile, asked = await off_the_loop(len(raw), read, raw, self.config)
@@ -112,6 +113,14 @@ class OpenAIApi:
             return refusal(exc).response()
         except Exception as exc:
             return call.failed(exc)
+        decoding = asked.get("decoding")
+        refused, turn.hold = await self.admission.refusal(
+            account, profile=profile.name, source="api", thread_id=None,
+            reserve=call.prompt.prompt_tokens + (decoding.n if decoding else 1)
+            * call.prompt.max_tokens)
+        if refused:
+            turn.end(ChatError(refused))
+            return ApiError(429, refused, "insufficient_quota", "quota_exceeded").response()
         if asked["stream"]:
             return await call.streamed(asked["include_usage"])
         return await call.whole()

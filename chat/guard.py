@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from chainlit import server as chainlit_server
@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse
 
 from chat.logins import Logins, end_session
 from service.turn_metrics import Arrival
+from store.admission import Admission, Hold
 from store.data_layer import ChatDataLayer
 from store.rows import is_uuid
 
@@ -92,15 +93,18 @@ def user_message(payload) -> dict | None:
 
 class Guard:
     def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool,
-                 quota: Callable[[str | None], Awaitable[str | None]],
-                 guest_turn: Callable[[object, bool], Awaitable[str | None]] | None = None):
+                 admission: Admission, reply_room: Callable[[WebsocketSession], int],
+                 refusal_of: Callable[[WebsocketSession, str], str | None]):
         self.logins, self.store, self.sharing = logins, store, sharing
-        # Why an account may not start a turn now (its daily quota: store/usage.py), or None.
-        self.quota = quota
-        # Why a demo guest may not take a turn (`guest_turn(user, starts_chat)`: its chats'
-        # cap, its and its address's messages a minute, its address's tokens today:
-        # store/guests.py), or None.
-        self.guest_turn = guest_turn
+        # Why a message could never be answered in its session (over the profile's length,
+        # or too long for the context alone): refused before Chainlit stores it.
+        self.refusal_of = refusal_of
+        # May the account take a turn now (its daily quota, a demo guest's chats and
+        # messages a minute): decided and its place taken at once (store/admission.py).
+        # `reply_room(session)`: the most a turn of that session may write, which it holds.
+        self.admission, self.reply_room = admission, reply_room
+        # The places taken for each session's turns, until its turn takes them (`hold`).
+        self._holds: dict[str, list[Hold]] = {}
         # When each session's last message reached the server, until its turn takes it
         # (`arrival`): a turn's first token is timed from there (service/turn_metrics.py).
         self._arrived: dict[str, Arrival] = {}
@@ -161,7 +165,10 @@ class Guard:
         if checked is None:
             await self._tell(session, NOT_READ)
             return
-        if not await self._may_take_turn(session):
+        if refused := self.refusal_of(session, checked["message"]["output"]):
+            await self._tell(session, refused)
+            return
+        if await self._refused(session, not session.has_first_interaction):
             return
         self._arrived[session.id] = Arrival(arrived, checked=time.monotonic())
         return await self._message(sid, checked)
@@ -185,7 +192,10 @@ class Guard:
                 not isinstance(message.get("output"), str):
             await self._tell(session, NOT_READ)
             return
-        if not await self._may_take_turn(session):
+        if refused := self.refusal_of(session, message["output"]):
+            await self._tell(session, refused)
+            return
+        if await self._refused(session, False):
             return
         return await self._edit(sid, {"message": {"id": message["id"],
                                                   "output": message["output"]}})
@@ -201,17 +211,31 @@ class Guard:
             return None
         return session
 
-    async def _may_take_turn(self, session: WebsocketSession) -> bool:
-        """False, said, when the account's quota refuses a turn, or its first message
-        would start a chat the account may not have: the message is not stored (Chainlit has
-        not seen it yet)."""
-        refused = None
-        if self.guest_turn is not None:
-            refused = await self.guest_turn(session.user, not session.has_first_interaction)
-        refused = refused or await self.quota(getattr(session.user, "identifier", None))
+    async def _refused(self, session: WebsocketSession, starts_chat: bool) -> str | None:
+        """Why the account's limits refuse a turn now (its quota, a guest's chats or
+        messages a minute), said to the page: the message is not stored (Chainlit has not
+        seen it yet). None: the turn's place is held for it (`hold`)."""
+        refused, hold = await self.admission.refusal(
+            getattr(session.user, "identifier", None), profile=session.chat_profile or "?",
+            source="chat", reserve=self.reply_room(session), thread_id=session.thread_id,
+            starts_chat=starts_chat)
         if refused:
             await self._tell(session, refused)
-        return not refused
+            return refused
+        if hold is not None:
+            self._holds.setdefault(session.id, []).append(hold)
+        return None
+
+    def hold(self, session_id: str) -> Hold | None:
+        """The place held for the session's next turn (taken: the turn gives it back or
+        turns it into its cost, store/usage.py), or None where no limit applies."""
+        held = self._holds.get(session_id)
+        if not held:
+            return None
+        hold = held.pop(0)
+        if not held:
+            del self._holds[session_id]
+        return hold
 
     @staticmethod
     async def _tell(session: WebsocketSession, text: str) -> None:
@@ -235,10 +259,8 @@ class Guard:
         if set(action) - ACTION_FIELDS or not isinstance(action.get("name"), str) or \
                 not isinstance(action.get("payload"), dict):
             raise HTTPException(400, "This button's data could not be read.")
-        # A button's turn (Regenerate) is a demo guest's turn as a message is.
-        if self.guest_turn is not None and \
-                (refused := await self.guest_turn(session.user, False)):
-            await self._tell(session, refused)
+        # A button's turn (Regenerate) is held to the account's limits as a message is.
+        if refused := await self._refused(session, False):
             raise HTTPException(429, refused)
         return await chainlit_server.call_action(payload, current_user)
 

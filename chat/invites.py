@@ -17,6 +17,7 @@ import html
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 
 import chainlit as cl
@@ -26,6 +27,7 @@ from chainlit.data import get_data_layer
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, RedirectResponse
 
+from store.data_layer import SESSION_KEY
 from store.guests import GUEST
 from store.invites import (GUEST_NAME_CHARS, DemoFull, Guest, InviteError, Invites, Joiner,
                            LinkRefused)
@@ -39,6 +41,27 @@ TOO_LONG = f"A name can have at most {GUEST_NAME_CHARS} characters."
 DEMO_PATH = "/demo"
 
 
+def from_this_site(request: Request) -> bool:
+    """Whether a form was posted from this site's own page, by what the browser says:
+    `Origin` where it sends one, else `Sec-Fetch-Site`, else `Referer`. A post that says
+    none of them (a script, not a browser holding someone's cookie) is let through: these
+    forms make a new guest, they act for no one logged in."""
+    here = f"{request.url.scheme}://{request.url.netloc}"
+    origin = request.headers.get("origin")
+    if origin and origin != "null":
+        return origin.rstrip("/") == here
+    site = request.headers.get("sec-fetch-site")
+    if site:
+        return site in ("same-origin", "none")
+    if origin == "null":  # a sandboxed or privacy-stripped page: not ours
+        return False
+    referer = request.headers.get("referer")
+    if referer:
+        parts = urlsplit(referer)
+        return f"{parts.scheme}://{parts.netloc}" == here
+    return True
+
+
 def shaped(token: str) -> str | None:
     """The token from the path if it has a token's shape (else None: no such link)."""
     return token if TOKEN.fullmatch(token) else None
@@ -46,9 +69,11 @@ def shaped(token: str) -> str | None:
 
 @dataclass(frozen=True)
 class OpenDemo:
-    """VCHAT_DEMO=open: anyone who opens the page may join as a guest, up to `most`."""
+    """VCHAT_DEMO=open: anyone who opens the page may join as a guest, up to `most`, and up
+    to `per_address` from one client address."""
     most: int
     by: str | None = None  # who runs it, said on the page and the banner
+    per_address: int | None = None
 
     def banner(self, retention_days: float) -> str:
         by = f"a demo run by {self.by}" if self.by else "a demo"
@@ -57,13 +82,13 @@ class OpenDemo:
 
 
 class InvitePage:
-    def __init__(self, invites: Invites, open_session: Callable[[str], Awaitable[dict]],
-                 app_name: str, daily_tokens: int | None = None, demo: OpenDemo | None = None,
+    def __init__(self, invites: Invites, login_s: float, app_name: str,
+                 daily_tokens: int | None = None, demo: OpenDemo | None = None,
                  joins_per_address: int | None = None):
         self.invites = invites
         self.joins_per_address = joins_per_address  # guests one address makes in an hour
         self.daily_tokens = daily_tokens  # each guest's quota (VCHAT_GUEST_DAILY_TOKENS)
-        self.open_session = open_session  # Logins.open: the metadata a token carries
+        self.login_s = login_s  # how long a guest's login lasts (VCHAT_GUEST_LOGIN_HOURS)
         self.app_name = app_name
         self.demo = demo
         self.router = APIRouter()
@@ -94,17 +119,17 @@ class InvitePage:
 
     async def join_demo(self, request: Request):
         return await self._join(request, lambda name: self.invites.join_open(
-            name, self.demo.most, daily_tokens=self.daily_tokens, joiner=self.joiner(request)))
+            name, self.demo.most, daily_tokens=self.daily_tokens, joiner=self.joiner(request),
+            per_address=self.demo.per_address))
 
     def joiner(self, request: Request) -> Joiner:
         return Joiner(request.client.host if request.client else "unknown",
-                      self.joins_per_address)
+                      self.joins_per_address, self.login_s)
 
     async def _join(self, request: Request, make: Callable[[object], Awaitable[Guest]]):
         """The form's name, a guest made of it by `make`, its login, the cookie: or the page
         again with the reason (nothing changed)."""
-        origin = request.headers.get("origin")
-        if origin and origin.rstrip("/") != f"{request.url.scheme}://{request.url.netloc}":
+        if not from_this_site(request):
             return self.page(NOT_FROM_HERE, status=403, form=False)
         if int(request.headers.get("content-length") or 0) > FORM_BYTES:
             return self.page(TOO_LONG, status=400)
@@ -122,7 +147,7 @@ class InvitePage:
             return self.page(str(exc), status=400)
         user = cl.User(identifier=guest.identifier, display_name=guest.name,
                        metadata={"role": "user", "kind": GUEST, "profile": guest.profile,
-                                 **await self.open_session(guest.identifier)})
+                                 SESSION_KEY: guest.login})
         if (layer := get_data_layer()) is not None:
             await layer.create_user(user)
         log.info("guest %s joined through %s", guest.identifier,

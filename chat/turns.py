@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import chainlit as cl
 from chainlit.chat_context import chat_context
+from chainlit.user_session import user_sessions
 
 from chat.session import HISTORY_CHARS, Conversation, Exchange
 from chat.streaming import Coalescer, Pace
@@ -23,9 +25,11 @@ from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SA
                        STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
                        stats_line)
 from engine import ChatError, Engines, Message, Prompt
+from service.input import check_message
 from service.shutdown import Shutdown
 from service.turn import Turn
-from service.turn_metrics import Arrival, TurnMetrics
+from service.turn_metrics import Arrival, TurnMetrics, TurnRecord
+from store.admission import Hold
 from store.data_layer import ChatDataLayer
 from store.usage import Usage
 
@@ -78,12 +82,27 @@ class WaitNote:
             await message.remove()
 
 
+def conversation_of(session) -> Conversation | None:
+    """The chat state of a Chainlit session, from outside its context (chat/guard.py)."""
+    conv = user_sessions.get(session.id, {}).get("conversation")
+    return conv if isinstance(conv, Conversation) else None
+
+
+def reply_room(session) -> int:
+    """The most a turn of this Chainlit session may write (its settings' max tokens): what
+    chat/guard.py holds of the account's quota for it."""
+    conv = conversation_of(session)
+    return conv.settings.max_tokens if conv is not None else 0
+
+
 class Turns:
     def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown,
                  store: ChatDataLayer, pace: Pace, usage: Usage,
-                 ignore_eos: bool = False):
+                 hold_of: Callable[[str], Hold | None], ignore_eos: bool = False):
         self.engines = engines
-        self.usage = usage  # each turn's cost stored, the quota checked (store/usage.py)
+        self.usage = usage  # each turn's cost stored (store/usage.py)
+        # The place chat/guard.py took in the account's limits for a session's next turn.
+        self.hold_of = hold_of
         self.metrics = metrics
         self.shutdown = shutdown
         self.store = store
@@ -92,7 +111,8 @@ class Turns:
         self._tasks: set[asyncio.Task] = set()  # regenerated answers, referenced till done
 
     async def take(self, conv: Conversation, user: Message, message_id: str,
-                   notice: str | None = None, arrival: Arrival | None = None) -> None:
+                   notice: str | None = None, arrival: Arrival | None = None,
+                   hold: Hold | None = None) -> None:
         """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
         Counted and logged once, however it ends (service/turn.py). `arrival`: when the
         message reached the server and passed each step before its turn (time.monotonic),
@@ -100,7 +120,8 @@ class Turns:
         account = user_name()
         turn = Turn(self.engines, self.metrics, conv.profile.name, user=account,
                     message=user.content, arrival=arrival, ignore_eos=self.ignore_eos,
-                    usage=self.usage, account=account, thread_id=cl.context.session.thread_id)
+                    usage=self.usage, account=account, thread_id=cl.context.session.thread_id,
+                    hold=hold)
         ended = None
         try:
             with self.shutdown.turn():
@@ -120,6 +141,26 @@ class Turns:
         finally:
             conv.end_turn()
             turn.end(ended)
+
+    def refusal_of(self, session, text: str) -> str | None:
+        """Why a new message of this Chainlit session could never be answered (longer than
+        its profile takes, or too long for the context with the system prompt alone), said
+        by chat/guard.py before Chainlit stores it; else None (the turn checks the rest)."""
+        conv = conversation_of(session)
+        if conv is None:
+            return None
+        try:
+            checked = check_message(text, conv.profile.limits.message_chars)
+            refused = self.engines.refusal_alone(
+                conv.profile.name, Message("user", checked.text),
+                system_prompt=conv.settings.system_prompt, max_tokens=conv.settings.max_tokens)
+        except ChatError as exc:
+            refused = str(exc)
+        if refused:
+            self.metrics.refuse(TurnRecord("refused", getattr(session.user, "identifier", None),
+                                           conv.profile.name, reason="message",
+                                           message=text[:1000]))
+        return refused
 
     async def offer_regenerate(self, reply_id: str | None) -> None:
         """A "Regenerate" button under the last reply (only there: the one before goes)."""
@@ -142,33 +183,38 @@ class Turns:
         not as a turn: the answer runs as the session's task, so Stop ends it as it ends
         any reply."""
         conv: Conversation = cl.user_session.get("conversation")
+        hold = self.hold_of(cl.context.session.id)  # chat/guard.py admitted the press
         closing, last = self.shutdown.closing, None
         if not closing and conv is not None and not conv.in_flight:
             last = conv.take_back(button.forId)
         if last is None:
+            self.give_back(hold)
             await cl.Message(content=CLOSING if closing else NOT_REGENERATED).send()
-            return
-        if refused := await self.usage.refusal(user_name()):  # the reply stays, as stored
-            conv.turns.append(last)
-            await cl.context.emitter.send_toast(refused, "error")
             return
         try:
             conv.begin_turn()
         except ChatError as exc:  # too many turns this minute: the reply stays
+            self.give_back(hold)
             conv.turns.append(last)
             await cl.Message(content=str(exc)).send()
             return
-        task = asyncio.create_task(self._answer_again(conv, last))
+        task = asyncio.create_task(self._answer_again(conv, last, hold))
         cl.context.session.current_task = task  # what Stop cancels
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer_again(self, conv: Conversation, exchange: Exchange) -> None:
+    def give_back(self, hold: Hold | None) -> None:
+        """The place held for a turn that will not run."""
+        if hold is not None:
+            self.usage.release(hold)
+
+    async def _answer_again(self, conv: Conversation, exchange: Exchange,
+                            hold: Hold | None) -> None:
         await cl.context.emitter.task_start()
         try:
             shown = next((m for m in chat_context.get() if m.id == exchange.reply_id), None)
             await (shown or cl.Message(content="", id=exchange.reply_id)).remove()
-            await self.take(conv, exchange.user, exchange.message_id)
+            await self.take(conv, exchange.user, exchange.message_id, hold=hold)
         except asyncio.CancelledError:
             pass  # stopped: _answer kept what was shown (or said it was withdrawn)
         finally:

@@ -39,6 +39,7 @@ from .stats import TurnStats
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 1.0
 WARM_UP_BATCHES = (1, 4, 16, 64, 256)  # and the seats: batch sizes warmed up on a GPU
+TEMPLATE_TOKENS = 256  # more than a chat template adds around one message and a system prompt
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30, 60)  # between restart attempts of a dead engine
 RESTARTING = ("The model for this chat stopped unexpectedly and is being restarted. Please "
               "send your message again in a minute.")
@@ -306,6 +307,27 @@ class Engines:
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
                            max_model_len=engine.max_model_len, max_tokens=max_tokens,
                            tools=tools)
+
+    def refusal_alone(self, profile: str, new_message: Message, *, system_prompt: str,
+                      max_tokens: int) -> str | None:
+        """Why `new_message` could not be sent even as a chat's first message (with the
+        system prompt it does not fit the profile's context), or None; None too while the
+        profile's engine is not serving (its turn says so then). A message whose bytes
+        leave room for the template is not tokenized: a token is at least one byte."""
+        try:
+            engine = self.for_profile(profile)
+        except ChatError:
+            return None
+        room = engine.max_model_len - min(max_tokens, engine.max_model_len // 2)
+        if len(new_message.content.encode()) + len(system_prompt.encode()) + \
+                TEMPLATE_TOKENS <= room:
+            return None
+        try:
+            self.fit(profile, [], new_message, system_prompt=system_prompt,
+                     max_tokens=max_tokens)
+        except ChatError as exc:
+            return str(exc)
+        return None
 
     def raw_prompt(self, profile: str, prompt: str | list[int], max_tokens: int) -> Prompt:
         """A prompt as given: token ids, or text encoded by the model's tokenizer with its

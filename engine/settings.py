@@ -138,6 +138,8 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_DEMO_BY", text, None, "who runs the open demo, said on its page and banner"),
     Setting("VCHAT_DEMO_GUESTS", whole(1), "100", "open demo: guests at most, counting "
             "those whose login is live"),
+    Setting("VCHAT_DEMO_GUESTS_PER_ADDRESS", whole(1), "25", "open demo: of those, guests "
+            "who joined from one client address at most"),
     Setting("VCHAT_GUEST_DAILY_TOKENS", whole(0), "100000", "a demo guest's tokens a day "
             "(prompt and reply; store/guests.py)"),
     Setting("VCHAT_GUEST_CHATS", whole(1), "5", "the chats a demo guest may keep at most"),
@@ -149,6 +151,8 @@ SETTINGS = {s.name: s for s in (
             "the demo guests who joined from one client address share"),
     Setting("VCHAT_GUEST_JOINS_PER_ADDRESS", whole(1), "200", "demo guests one client "
             "address may make in an hour (a room often shares one address)"),
+    Setting("VCHAT_GUEST_LOGIN_HOURS", number(0, above=True), "12", "how long a demo "
+            "guest's login lasts (then its chats are out of its reach)"),
     Setting("VCHAT_GUEST_RETENTION_DAYS", number(0, above=True), "7",
             "days after which a demo guest goes, with its chats"),
     Setting("VCHAT_HEADER_AUTH", text, None, "login by a trusted proxy's header: the header "

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from engine import ChatError, Engines, Message, Prompt, TurnStats
 
+from store.admission import Hold
 from store.usage import Spent, Usage
 
 from .turn_metrics import Arrival, TurnMetrics, TurnRecord
@@ -56,11 +57,13 @@ class Turn:
                  user: str | None, message: str, arrival: Arrival | None = None,
                  ignore_eos: bool = False, usage: Usage | None = None, source: str = "chat",
                  account: str | None = None, thread_id: str | None = None,
-                 session: str | None = None):
+                 session: str | None = None, hold: Hold | None = None):
         self.engines, self.metrics, self.profile = engines, metrics, profile
         # Where its cost is stored when it ends (store/usage.py), and for which account
-        # (None: the API's operator key, which has none).
+        # (None: the API's operator key, which has none); `hold`: its place in the
+        # account's limits (store/admission.py), which its cost replaces or it gives back.
         self.usage, self.source, self.account = usage, source, account
+        self.hold = hold
         self.thread_id = thread_id
         # What keeps its turns on one model server behind a router (engine/remote.py): the
         # chat's id, or what an API client sent as its session.
@@ -72,6 +75,9 @@ class Turn:
         self.prompt: Prompt | None = None  # once fitted
         self.stats: TurnStats | None = None  # the engine's, once it finished the reply
         self.reply = ""  # what the user got, for the log line (the front end says)
+        # Every reply's text where a request asked for several (the API's `n`): a stopped
+        # turn's cost counts them all, not the first alone.
+        self.replies: Sequence[str] = ()
         self._ended = False
         metrics.begin(profile)
 
@@ -121,17 +127,22 @@ class Turn:
 
     def _store_usage(self) -> None:
         """A finished or stopped turn that the engine worked on is stored as spent: its
-        reply's tokens as the engine counted them, or, stopped before it could say, as the
-        profile's tokenizer counts the text the user got."""
-        if self.usage is None or self.prompt is None or \
-                self.record.outcome not in ("finished", "stopped"):
+        replies' tokens as the engine counted them, or, stopped before it could say, as the
+        profile's tokenizer counts the text the user got, every reply's."""
+        if self.usage is None:
             return
-        if self.stats is not None:
+        reply_tokens = None
+        if self.prompt is None or self.record.outcome not in ("finished", "stopped"):
+            pass  # refused or failed: no cost
+        elif self.stats is not None:
             reply_tokens = self.stats.output_tokens
-        elif self.reply:
-            reply_tokens = self.engines.count_tokens(self.profile, self.reply)
-        else:
-            return  # withdrawn before the engine wrote anything
+        elif any(self.replies or (self.reply,)):
+            reply_tokens = sum(self.engines.count_tokens(self.profile, text)
+                               for text in self.replies or (self.reply,) if text)
+        if reply_tokens is None:  # withdrawn before the engine wrote anything, too
+            if self.hold is not None:
+                self.usage.release(self.hold)
+            return
         self.usage.record(Spent(self.account, self.profile, self.source, self.prompt.prompt_tokens,
                                 reply_tokens, self.record.outcome == "stopped",
-                                self.thread_id))
+                                self.thread_id), self.hold)

@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from store.admission import locked
 from store.sessions import LoginSessions
 
 GUEST_NAME_CHARS = 40  # a guest's chosen name, at most
@@ -44,9 +45,11 @@ _REDEEM = text(
     'AND "expiresAt" > :now AND "used" < "uses"')
 _STATE = text('SELECT "id", "uses", "used", "expiresAt", "revokedAt", "profile" FROM invites '
               'WHERE "tokenHash" = :h')
-# Guests of the open demo (no invite) whose login is live: "at once", as the cap counts.
+# Guests of the open demo (no invite) whose login is live: "at once", as the cap counts;
+# all of them, and those who joined from :address.
 _OPEN_GUESTS = text(
-    'SELECT COUNT(DISTINCT s."identifier") FROM login_sessions s JOIN accounts a ON '
+    'SELECT COUNT(DISTINCT s."identifier"), COUNT(DISTINCT CASE WHEN a."address" = :address '
+    'THEN s."identifier" END) FROM login_sessions s JOIN accounts a ON '
     'a."identifier" = s."identifier" WHERE a."kind" = \'guest\' AND a."invite" IS NULL '
     'AND s."endedAt" IS NULL AND s."expiresAt" > :now')
 _ADD_GUEST = text(
@@ -93,18 +96,23 @@ class Guest:
     name: str
     invite: str | None  # None: a guest of the open demo
     profile: str | None
+    login: str = ""  # its login session (store/sessions.py), opened as it joined
 
 
 @dataclass(frozen=True)
 class Joiner:
-    """Where a guest joins from (the client's address), and how many guests one address
-    may make in an hour (None: any number). A room's people often share one address
-    (a company's or a venue's network): the limit is for a script making guest after
-    guest, not for people."""
+    """Where a guest joins from (the client's address), how many guests one address may
+    make in an hour (None: any number), and how long a guest's login lasts. A room's
+    people often share one address (a company's or a venue's network): the limit is for a
+    script making guest after guest, not for people."""
     address: str | None = None
     per_hour: int | None = None
+    login_s: float = 12 * 3600.0
 
     async def check(self, conn, now: float) -> None:
+        """Refused in words when the address made its hour's guests; the first statement
+        of the joining transaction: the address's joins are decided one at a time."""
+        await locked(conn, f"joins:{self.address}")
         if self.address is None or self.per_hour is None:
             return
         since = datetime.fromtimestamp(now - 3600, timezone.utc).isoformat(timespec="seconds")
@@ -196,22 +204,29 @@ class Invites:
                 _usable((await conn.execute(_STATE, {"h": hashed})).first(), now)
                 raise LinkRefused(_NO_SUCH)  # (_usable raised already for a known link)
             row = (await conn.execute(_STATE, {"h": hashed})).first()
-            guest = await _add_guest(conn, name, row.id, row.profile, daily_tokens, joiner)
-        return guest
+            return await _add_guest(conn, name, row.id, row.profile, daily_tokens, joiner)
 
     async def join_open(self, name, most: int, now: float | None = None,
-                        daily_tokens: int | None = None, joiner: Joiner = Joiner()) -> Guest:
-        """A guest of the open demo (no invite) for `name`, unless `most` guests of it have
-        a live login (DemoFull), or the name or the joiner's address will not do
-        (InviteError); nothing changed then."""
+                        daily_tokens: int | None = None, joiner: Joiner = Joiner(),
+                        per_address: int | None = None) -> Guest:
+        """A guest of the open demo (no invite) for `name`, with its login, unless `most`
+        guests of it have a live login, or `per_address` of those joined from the joiner's
+        address (DemoFull), or the name or the joiner's address will not do (InviteError);
+        nothing changed then. Counted and taken in one transaction, one join at a time:
+        the login that makes a guest count is opened in it."""
         name = guest_name(name)
         now = time.time() if now is None else now
         async with self.engine.begin() as conn:
+            await locked(conn, "open-demo")
             await joiner.check(conn, now)
-            if (await conn.execute(_OPEN_GUESTS, {"now": now})).scalar_one() >= most:
+            live, theirs = (await conn.execute(_OPEN_GUESTS, {
+                "now": now, "address": joiner.address})).one()
+            if live >= most:
                 raise DemoFull("The demo is full right now. Please try again later.")
-            guest = await _add_guest(conn, name, None, None, daily_tokens, joiner)
-        return guest
+            if per_address is not None and theirs >= per_address:
+                raise DemoFull("Your network has as many guests in this demo as it may "
+                               "have right now. Please try again later.")
+            return await _add_guest(conn, name, None, None, daily_tokens, joiner)
 
     async def revoke(self, invite_id: str, now: float | None = None) -> int:
         """The invite refused from now on and its guests' sessions ended; how many ended."""
@@ -232,12 +247,13 @@ _NO_SUCH = "This invite link is not valid. Ask the person running the demo for a
 
 async def _add_guest(conn, name: str, invite: str | None, profile: str | None,
                      daily_tokens: int | None, joiner: Joiner) -> Guest:
-    """A new guest account, in the caller's transaction."""
-    guest = Guest("guest-" + secrets.token_hex(4), name, invite, profile)
+    """A new guest account and its login session, in the caller's transaction."""
+    identifier = "guest-" + secrets.token_hex(4)
     await conn.execute(_ADD_GUEST, {
-        "i": guest.identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "i": identifier, "c": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "invite": invite, "name": name, "tokens": daily_tokens, "address": joiner.address})
-    return guest
+    login = await LoginSessions(conn.engine).open(identifier, joiner.login_s, conn)
+    return Guest(identifier, name, invite, profile, login)
 
 
 def _usable(row, now: float) -> Invite:

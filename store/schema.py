@@ -195,6 +195,15 @@ def migrations(postgres: bool) -> list[list[str]]:
          'ALTER TABLE accounts ADD COLUMN "address" TEXT',
          'CREATE INDEX accounts_by_invite ON accounts ("invite")',
          'CREATE INDEX accounts_by_address ON accounts ("address", "createdAt")'],
+        # 7 (issue 52): limits decided where they are counted. A turn's usage row is
+        # written when the turn is admitted, "pending" with what it may cost, and holds
+        # its place in every per-minute limit and quota until it ends (store/usage.py).
+        # One feedback per step (its chat's owner is the only one who may rate it): the
+        # duplicates that concurrent first ratings made are dropped, one kept.
+        ['ALTER TABLE usage ADD COLUMN "pending" BOOLEAN NOT NULL DEFAULT FALSE',
+         'DELETE FROM feedbacks WHERE "id" NOT IN '
+         '(SELECT MAX("id") FROM feedbacks GROUP BY "forId")',
+         'CREATE UNIQUE INDEX feedbacks_one_per_step ON feedbacks ("forId")'],
     ]
 
 

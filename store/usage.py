@@ -3,15 +3,16 @@
 figures survive restarts and are the same on every replica of one database.
 
 - A turn's row is kept when it ends, finished or stopped (service/turn.py), and written with
-  the others of that second (`FLUSH_S`): its prompt's tokens and its reply's (the engine's
-  count; for a stopped reply, its text counted by the profile's tokenizer). A crash of the
-  app loses at most that second's rows; a stop writes them. Refused and failed turns cost nothing. The operator's API key has
-  no account: its turns are counted with no identifier.
-- A quota is tokens (prompt and reply) per UTC day. It is checked before a turn is taken
-  (chat/guard.py for a message or an edit, chat/turns.py for Regenerate, api/openai.py for
-  the API): once the day's turns reach it, the next is refused with `QuotaReached`'s words
-  and nothing of it is stored. A turn under way when the quota is reached finishes, and
-  the turns of the last second count once written.
+  the others of that second (`FLUSH_S`): its prompt's tokens and its replies' (the engine's
+  count; for a stopped turn, the text of each of its replies counted by the profile's
+  tokenizer). A crash of the app loses at most that second's rows; a stop writes them.
+  Refused and failed turns cost nothing. The operator's API key has no account: its turns
+  are counted with no identifier.
+- A quota is tokens (prompt and reply) per UTC day, decided when a turn is admitted
+  (store/admission.py, for a message, an edit, Regenerate and the API alike): while the
+  day's turns, with what the turns under way may still cost, reach it, the next is refused
+  with `quota_message`'s words and nothing of it is stored. An admitted turn's row is
+  written then, pending, and becomes its cost when it ends.
 - `report` is what `python -m store usage` prints: per account and profile, turns, tokens,
   stopped replies, and the thumbs up and down given to replies in the period.
 """
@@ -29,7 +30,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from store.accounts import AccountError
 from store.rows import decoded
-from store.schema import Reader
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +38,18 @@ _INSERT = text(
     '"promptTokens", "replyTokens", "stopped", "threadId") '
     "VALUES (:id, :identifier, :profile, :source, :day, :created, :prompt, :reply, "
     ":stopped, :thread)")
-# The account's quota and, if it has one, what it spent on :day, in one read (no row: no
-# such account). It runs before every chat message: an account without a quota costs a
-# lookup by primary key.
-_QUOTA = text(
-    'SELECT a."dailyTokens", CASE WHEN a."dailyTokens" IS NULL THEN 0 ELSE '
-    '(SELECT COALESCE(SUM(u."promptTokens" + u."replyTokens"), 0) FROM usage u '
-    'WHERE u."identifier" = a."identifier" AND u."day" = :day) END '
-    'FROM accounts a WHERE a."identifier" = :i')
+# A turn admitted under a limit has a row already (store/admission.py's hold): its cost
+# replaces what it held; one that cost nothing gives its place back.
+_SETTLE = text(
+    'UPDATE usage SET "promptTokens" = :prompt, "replyTokens" = :reply, "stopped" = :stopped, '
+    '"threadId" = COALESCE(:thread, "threadId"), "pending" = :no WHERE "id" = :hold')
+_RELEASE = text('DELETE FROM usage WHERE "id" = :hold AND "pending" = :yes')
 _SET_QUOTA = text('UPDATE accounts SET "dailyTokens" = :n WHERE "identifier" = :i')
 _TURNS = text(
     'SELECT "identifier", "profile", COUNT(*), SUM("promptTokens"), SUM("replyTokens"), '
     'SUM(CASE WHEN "stopped" THEN 1 ELSE 0 END) FROM usage '
-    'WHERE "day" >= :since AND "day" < :before GROUP BY "identifier", "profile"')
+    'WHERE "day" >= :since AND "day" < :before AND NOT "pending" '
+    'GROUP BY "identifier", "profile"')
 # Every thumb given to a reply written in the period, with its comment and the reply's
 # metadata (its profile), newest first: the page rates a turn's run (Chainlit's step around
 # the reply), an API client the reply itself.
@@ -94,10 +93,6 @@ def parse_quota(value: str) -> int | None:
         raise ValueError(f"quota {value!r}: a whole number of tokens a day, 0 or more, "
                          "or 'none' for no quota")
     return tokens
-
-
-class QuotaReached(Exception):
-    """Said to the user whose turn is refused."""
 
 
 @dataclass(frozen=True)
@@ -150,22 +145,34 @@ def _profile(metadata) -> str | None:
 
 
 class Usage:
-    def __init__(self, engine: AsyncEngine, reader: Reader | None = None):
+    def __init__(self, engine: AsyncEngine):
         self.engine = engine
-        self.reader = reader or Reader(engine, own=False)
         self._pending: list[dict] = []  # rows not written yet
         self._flushing: asyncio.Task | None = None
 
-    def record(self, spent: Spent) -> None:
+    def record(self, spent: Spent, hold=None) -> None:
         """Keep the turn's row for the next write, at most FLUSH_S from now: one transaction
         for all the turns that ended meanwhile, not one each through the writer's connection
-        (BENCHMARKS.md, "Trials at work")."""
+        (BENCHMARKS.md, "Trials at work"). `hold`: the place the turn was admitted with
+        (store/admission.py), which its cost replaces."""
         now = datetime.now(timezone.utc)
-        self._pending.append({
-            "id": str(uuid.uuid4()), "identifier": spent.identifier, "profile": spent.profile,
-            "source": spent.source, "day": now.date().isoformat(),
-            "created": now.isoformat(timespec="seconds"), "prompt": spent.prompt_tokens,
-            "reply": spent.reply_tokens, "stopped": spent.stopped, "thread": spent.thread_id})
+        row = {"prompt": spent.prompt_tokens, "reply": spent.reply_tokens,
+               "stopped": spent.stopped, "thread": spent.thread_id}
+        if hold is not None:
+            self._pending.append({**row, "hold": hold.id, "no": False})
+        else:
+            self._pending.append({
+                **row, "id": str(uuid.uuid4()), "identifier": spent.identifier,
+                "profile": spent.profile, "source": spent.source,
+                "day": now.date().isoformat(), "created": now.isoformat(timespec="seconds")})
+        self._write_soon()
+
+    def release(self, hold) -> None:
+        """A held place given back: the turn it was for cost nothing."""
+        self._pending.append({"hold": hold.id, "yes": True, "release": True})
+        self._write_soon()
+
+    def _write_soon(self) -> None:
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.create_task(self._flush_soon())
 
@@ -181,9 +188,15 @@ class Usage:
         rows, self._pending = self._pending, []
         if not rows:
             return
+        new = [r for r in rows if "hold" not in r]
+        settled = [r for r in rows if "hold" in r and "release" not in r]
+        released = [{"hold": r["hold"], "yes": True} for r in rows if "release" in r]
         try:
             async with self.engine.begin() as conn:
-                await conn.execute(_INSERT, rows)
+                for statement, batch in ((_INSERT, new), (_SETTLE, settled),
+                                         (_RELEASE, released)):
+                    if batch:
+                        await conn.execute(statement, batch)
         except BaseException:
             self._pending[:0] = rows
             raise
@@ -193,22 +206,6 @@ class Usage:
         if self._flushing is not None and not self._flushing.done():
             self._flushing.cancel()
         await self.flush()
-
-    async def check(self, identifier: str | None) -> None:
-        """QuotaReached when the account's turns today reached its quota."""
-        if identifier is None:
-            return
-        rows = await self.reader.rows(_QUOTA, {"i": identifier, "day": today()})
-        if rows and rows[0][0] is not None and int(rows[0][1]) >= rows[0][0]:
-            raise QuotaReached(quota_message(rows[0][0], int(rows[0][1])))
-
-    async def refusal(self, identifier: str | None) -> str | None:
-        """`check`'s words, or None when the turn may go."""
-        try:
-            await self.check(identifier)
-        except QuotaReached as exc:
-            return str(exc)
-        return None
 
     async def set_quota(self, identifier: str, tokens: int | None) -> None:
         if tokens is not None and tokens < 0:

@@ -24,6 +24,7 @@ import re
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from bench.vllm_server import VllmServer
 from engine import load_config
@@ -347,6 +348,60 @@ async def test_an_account_over_its_quota_is_refused_on_both_routes(servers):
                                                 max_tokens=4)):
         with pytest.raises(openai.RateLimitError):
             await call
+
+
+async def test_a_burst_of_requests_gets_no_more_turns_than_the_quota_holds(servers):
+    """Issue 52: the quota counted only turns that had ended, so requests sent at the same
+    moment all ran past it. Each admitted request now holds its prompt and its reply's room
+    (store/admission.py) until its cost replaces them: with room for 3 such requests left,
+    3 of 8 sent at once run and 5 are refused, however they interleave."""
+    ours, _, app = servers
+    request = {"model": MODEL, "messages": ask("Name a colour."), "max_tokens": 8,
+               "extra_body": {"ignore_eos": True}}
+    held = (await ours.chat.completions.create(**request)).usage
+    room = held.prompt_tokens + 8  # what one such request holds, and then costs
+    add_user(app, "burst-user", "a burst password 123")
+    store_command(app, "users", "quota", "burst-user", str(3 * room - 1))
+    key = store_command(app, "keys", "add", "burst-user").strip().splitlines()[-1]
+    client = openai.AsyncOpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
+
+    async def one():
+        try:
+            return (await client.chat.completions.create(**request)).usage.total_tokens
+        except openai.RateLimitError as exc:
+            assert "quota" in str(exc)
+            return None
+
+    answers = await asyncio.gather(*(one() for _ in range(8)))
+    assert sorted(answers, key=lambda a: a is None) == [room] * 3 + [None] * 5, answers
+
+
+async def test_every_reply_of_a_stopped_request_counts_in_its_usage(servers):
+    """Issue 52: a streamed request for 4 replies stopped part way was stored as the first
+    reply's tokens alone (17 of 60), so quotas and `store usage` undercounted it."""
+    _, _, app = servers
+    add_user(app, "n-user", "an n password 1234")
+    key = store_command(app, "keys", "add", "n-user").strip().splitlines()[-1]
+    texts = ["", "", "", ""]
+    async with httpx.AsyncClient(base_url=app.url, timeout=300,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        async with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": ask("Write a long story about the sea."), "n": 4,
+                "max_tokens": 200, "temperature": 1.0, "stream": True,
+                "ignore_eos": True}) as answer:
+            async for line in answer.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] += choice["delta"].get("content") or ""
+                if all(len(t) > 100 for t in texts):
+                    break  # the client goes away: the request is stopped
+    await asyncio.sleep(4)  # the stop seen (the app polls for a gone client) and written
+    report = json.loads(store_command(app, "usage", "--json"))
+    line = next(r for r in report if r["identifier"] == "n-user")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(load_config().model))
+    received = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert line["stopped"] == 1 and line["turns"] == 1
+    assert line["reply_tokens"] >= sum(received), (line, received)
 
 
 def readme_examples() -> str:

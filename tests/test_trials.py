@@ -144,7 +144,11 @@ async def test_thumbs_are_changed_withdrawn_and_kept_across_a_restart_with_the_q
     await carol.connect(resume=carol_thread)
     assert "today's 1 tokens" in await refused_turn(carol)
     (button,) = carol.actions(replies(await thread_steps(carol, carol_thread))[-1]["id"])
-    start = await carol.press(button)  # Regenerate: refused too, the reply kept
+    start = len(carol.events)  # Regenerate: refused too (429, told), the reply kept
+    async with carol.api() as http:
+        pressed = await http.post("/project/action", json={"sessionId": carol.session_id,
+                                                            "action": button})
+    assert pressed.status_code == 429 and "today's 1 tokens" in pressed.text
     toast = await carol.wait_for("toast", since=start, timeout=30)
     assert "today's 1 tokens" in carol.events[toast].data["message"]
     after = await thread_steps(carol, carol_thread)
@@ -156,6 +160,43 @@ async def test_thumbs_are_changed_withdrawn_and_kept_across_a_restart_with_the_q
     assert answered.tokens
     assert (await api_turn(site, key)).status_code == 200
     await carol.close()
+
+
+async def test_ratings_sent_at_once_make_one_feedback_shown_exported_and_counted_once(site):
+    """Regression (issue 52): six PUT /feedback at once on one's own reply, without a
+    feedback id, made six rows: the chat as served held the reply once per row, the JSON
+    export had 7 messages for 2 ids, `store usage` counted 6 thumbs down. Ten at once (no
+    id, the id of the chat's other feedback, an unknown one) make the reply's one feedback;
+    each answer names it, the other reply's feedback is left as it was, and the served
+    chat, the export, `store usage` and `store feedback` each have every reply once."""
+    add_user(site.server, "dana", "dana's password")
+    dana, thread = await chat(site, ("dana", "dana's password"), "One.", "Two.")
+    first, second = replies(await thread_steps(dana, thread))
+    kept = (await rate(dana, first["id"], 1, "kept")).json()["feedbackId"]
+    ids = [None, kept, str(uuid.uuid4())]
+    async with dana.api() as http:
+        answers = await asyncio.gather(*[http.put("/feedback", json={
+            "sessionId": dana.session_id, "feedback": {
+                "forId": second["id"], "value": 0, "comment": f"try {n}",
+                **({"id": ids[n % 3]} if ids[n % 3] else {})}}) for n in range(10)])
+        one = await http.get(f"/export/chats/{thread}")
+    assert [r.status_code for r in answers] == [200] * 10, [r.text for r in answers]
+    rated = {r.json()["feedbackId"] for r in answers}
+    assert len(rated) == 1 and kept not in rated, rated
+    steps = await thread_steps(dana, thread)
+    assert len({s["id"] for s in steps}) == len(steps), "each step served once"
+    assert [r["feedback"]["id"] for r in replies(steps)] == [kept, *rated]
+    assert replies(steps)[0]["feedback"]["comment"] == "kept"
+    (exported,) = export.read(one.content)
+    assert sorted(m.id for m in exported.messages) == sorted(
+        s["id"] for s in steps if s["type"] in export.ROLES), "each message exported once"
+    lines = await usage_of(site, "dana", lambda lines: lines.get("Latency-first", {}).get(
+        "thumbs_down"))
+    assert (lines["Latency-first"]["thumbs_up"], lines["Latency-first"]["thumbs_down"]) == \
+        (1, 1)
+    said = [line.split("\t") for line in store_command(site.server, "feedback").splitlines()]
+    assert sorted(r[3] for r in said if r[1] == "dana") == ["down", "up"]
+    await dana.close()
 
 
 async def refused_turn(c: ChatClient) -> str:
@@ -173,6 +214,26 @@ async def api_turn(site: Site, key: str) -> httpx.Response:
             "Authorization": f"Bearer {key}"}, json={
             "model": "Latency-first", "max_tokens": 4,
             "messages": [{"role": "user", "content": "Hello"}]})
+
+
+async def test_messages_sent_at_once_get_no_more_turns_than_the_quota_holds(site):
+    """Issue 52: the quota counted only turns that had ended, so messages sent at the same
+    moment from several pages all ran past it. Each admitted turn now holds its reply's
+    room (the settings' max tokens) from the moment it is admitted: with room for 3 such
+    turns left, 3 of 8 sent at once run and 5 are told why, on either database."""
+    erin = ("erin", "erin's password")
+    add_user(site.server, *erin)
+    store_command(site.server, "users", "quota", "erin", str(3 * 8 - 1))
+    pages = [client(site, erin) for _ in range(8)]
+    await asyncio.gather(*[p.connect() for p in pages])
+    for page in pages:
+        await page.settings(max_tokens=8, show_stats=False)
+    starts = [len(p.events) for p in pages]
+    await asyncio.gather(*[p.emit_message("One of many at once.") for p in pages])
+    outcomes = await asyncio.gather(*[p.refusal_since(s) for p, s in zip(pages, starts)])
+    assert outcomes.count(None) == 3, outcomes
+    assert all("today's 23 tokens" in o for o in outcomes if o is not None)
+    await asyncio.gather(*[p.close() for p in pages])
 
 
 async def test_search_finds_the_users_own_chats_by_their_words_and_no_one_elses(site):
@@ -237,6 +298,65 @@ async def test_a_user_exports_their_own_chats_as_json_and_markdown_and_no_one_el
     async with httpx.AsyncClient(base_url=site.server.url) as anonymous:
         assert (await anonymous.get("/export/chats")).status_code == 401
     await alice.close()
+
+
+FORGED = ("## Assistant (2026-01-01T00:00:00; Latency-first)\n"
+          "I am not what I seem. <script>alert(1)</script> <img src=x onerror=alert(2)>\n"
+          "A heading by underline\n===\n"
+          "```python\n# code stays as written: a < b & c\n```\n"
+          "~~~\n<b>a code block left open</b>")
+
+
+def markdown_structure(markdown: str) -> tuple[list[str], list[str], list[str]]:
+    """A CommonMark reader's view of a Markdown export: its headings' texts, its raw HTML
+    and its code blocks' contents."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").parse(markdown)
+    headings = ["".join(c.content for c in tokens[n + 1].children)
+                for n, t in enumerate(tokens) if t.type == "heading_open"]
+    html = [t.content for t in tokens if t.type == "html_block"] + [
+        c.content for t in tokens for c in t.children or [] if c.type == "html_inline"]
+    return headings, html, [t.content for t in tokens if t.type in ("fence", "code_block")]
+
+
+async def test_a_messages_text_cannot_forge_the_markdown_exports_headings_or_html(site):
+    """Regression (issue 52): the Markdown export pasted a message's text as it was: a line
+    "## Assistant (...)" read as the export's own heading, and raw HTML (a script) was kept,
+    in a file served without `nosniff`. Now a reader sees only the export's headings (the
+    chat's, one per message) and no HTML, code blocks stay as written (one left open is
+    closed with its message), the JSON export keeps the text exactly, and both downloads
+    say `nosniff`."""
+    alice, thread = await chat(site, ALICE, FORGED)
+    async with alice.api() as http:
+        markdown, one = await asyncio.gather(
+            http.get(f"/export/chats/{thread}", params={"format": "md"}),
+            http.get(f"/export/chats/{thread}", params={"format": "json"}))
+    assert markdown.status_code == one.status_code == 200
+    for download in (markdown, one):
+        assert download.headers["x-content-type-options"] == "nosniff"
+    (exported,) = export.read(one.content)
+    assert [m.text for m in exported.messages if m.role == "user"] == [FORGED]
+    headings, html, code = markdown_structure(markdown.text)
+    assert len(headings) == 1 + len(exported.messages)
+    assert [h.split(" (")[0] for h in headings[1:]] == [
+        "You" if m.role == "user" else "Assistant" for m in exported.messages]
+    assert html == [], html
+    assert code == ["# code stays as written: a < b & c\n", "<b>a code block left open</b>\n"]
+    assert "<script>" not in markdown.text and "&lt;script>" in markdown.text
+    await alice.close()
+
+
+def test_the_markdown_exports_own_text_is_escaped_too():
+    """A chat's name, owner, profile and a feedback comment are the export's headings and
+    notes: no HTML and no line breaks of theirs reach them."""
+    message = export.ExportedMessage("m", "assistant", "fine", "t", "p", False,
+                                     {"thumbs": "up", "comment": "<i>x</i>\n## You"})
+    markdown = export.as_markdown([export.ExportedChat(
+        "c", "<script>x</script>\n# Owned", "<b>o</b>", "t", "<p>", [message])])
+    headings, html, _ = markdown_structure(markdown)
+    assert html == [] and len(headings) == 2, (headings, html)
+    assert headings[0] == "<script>x</script> # Owned"  # shown as text
 
 
 async def test_the_admin_exports_every_chat_of_a_period(site, tmp_path):

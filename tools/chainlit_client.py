@@ -187,6 +187,25 @@ class ChatClient:
         end = await self.wait_for("task_end", since=start, timeout=timeout)
         return self.collect(start, end + 1)
 
+    async def send_refused(self, text: str, timeout: float = 60.0) -> str:
+        """Send a message that the server refuses before taking it (chat/guard.py: no turn
+        starts); the words it shows the page."""
+        start = len(self.events)
+        await self.emit_message(text)
+        toast = await self.wait_for("toast", since=start, timeout=timeout)
+        return self.events[toast].data["message"]
+
+    async def refusal_since(self, since: int, timeout: float = 120.0) -> str | None:
+        """What became of the message sent at event `since`: None when a turn answered it
+        (its task ended), else the words of the notice that refused it."""
+        waits = {asyncio.ensure_future(self.wait_for(name, since=since, timeout=timeout)): name
+                 for name in ("task_end", "toast")}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in pending:
+            waiting.cancel()
+        first = done.pop()
+        return None if waits[first] == "task_end" else self.events[first.result()].data["message"]
+
     async def wait_for_tokens(self, since: int, count: int, timeout: float = 120.0) -> None:
         """Until `count` streamed tokens have arrived after event `since` (a reply is
         streaming: Stop it now, say)."""
