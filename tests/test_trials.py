@@ -20,6 +20,7 @@ from store import export
 from store.usage import FLUSH_S
 from tests.test_accounts import (STAND_IN, add_user, database_env, store_command, store_run,
                                  thread_steps, threads)
+from tests.test_invites import join, link_token
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
 
 ALICE, BOB, CAROL = ("alice", "alice's password"), ("bob", "bob's password"), \
@@ -233,6 +234,23 @@ async def test_messages_sent_at_once_get_no_more_turns_than_the_quota_holds(site
     outcomes = await asyncio.gather(*[p.refusal_since(s) for p, s in zip(pages, starts)])
     assert outcomes.count(None) == 3, outcomes
     assert all("today's 23 tokens" in o for o in outcomes if o is not None)
+    await asyncio.gather(*[p.close() for p in pages])
+
+
+async def test_a_guest_starting_chats_at_once_gets_its_cap_on_either_database(site):
+    """Issue 52's guest chat cap through the server on both databases (tests/test_invites.py
+    has the rest of a guest's limits): 7 first messages of new chats at once from 7 pages
+    of a guest who may keep 5 (the default): 5 run, 2 are told why."""
+    token = link_token(store_command(site.server, "invites", "add", "--uses", "1",
+                                     "--expires", "1h"))
+    joined = await join(site.server, token, "Seven pages")
+    pages = [ChatClient(site.server.url, "Latency-first") for _ in range(7)]
+    await asyncio.gather(*[p.connect_with(joined.cookies["access_token"]) for p in pages])
+    starts = [len(p.events) for p in pages]
+    await asyncio.gather(*[p.emit_message(f"new chat {n}") for n, p in enumerate(pages)])
+    outcomes = await asyncio.gather(*[p.refusal_since(s) for p, s in zip(pages, starts)])
+    assert outcomes.count(None) == 5, outcomes
+    assert all("5 chats at most" in o for o in outcomes if o is not None)
     await asyncio.gather(*[p.close() for p in pages])
 
 
