@@ -17,8 +17,8 @@ import html
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import chainlit as cl
 from chainlit.auth import create_jwt
