@@ -128,7 +128,7 @@ class Turn:
     def _store_usage(self) -> None:
         """A finished or stopped turn that the engine worked on is stored as spent: its
         replies' tokens as the engine counted them, or, stopped before it could say, as the
-        profile's tokenizer counts the text the user got, every reply's."""
+        profile's tokenizer counts the text the user got, every reply's, at most its room."""
         if self.usage is None:
             return
         reply_tokens = None
@@ -137,7 +137,10 @@ class Turn:
         elif self.stats is not None:
             reply_tokens = self.stats.output_tokens
         elif any(self.replies or (self.reply,)):
-            reply_tokens = sum(self.engines.count_tokens(self.profile, text)
+            # Text re-counted can come out longer than the tokens that wrote it: no reply
+            # costs more than its room.
+            reply_tokens = sum(min(self.engines.count_tokens(self.profile, text),
+                                   self.prompt.max_tokens)
                                for text in self.replies or (self.reply,) if text)
         if reply_tokens is None:  # withdrawn before the engine wrote anything, too
             if self.hold is not None:

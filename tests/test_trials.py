@@ -430,7 +430,7 @@ async def test_usage_counts_turns_tokens_stopped_replies_and_thumbs_by_profile(s
     line = lines["Latency-first"]
     assert line["stopped"] == before.get("stopped", 0) + 1
     assert line["turns"] == before.get("turns", 0) + 1
-    assert 0 < line["reply_tokens"] - before["reply_tokens"] < 400
+    assert 0 < line["reply_tokens"] - before["reply_tokens"] <= 400  # at most its room
     assert before["prompt_tokens"] >= sum(m["prompt_tokens"] for m in meta)
     assert before["reply_tokens"] >= sum(m["output_tokens"] for m in meta)
     assert line["thumbs_down"] >= 1 and line["thumbs_up"] >= 1

@@ -85,3 +85,29 @@ async def test_leaving_a_stream_early_ends_the_turn_on_the_engine(pool, metrics)
     engine = pool.for_profile(PROFILE)
     assert engine.num_unfinished_requests() == 0
     assert pool.admission["latency-first"].inside == 0, "its seat is free again"
+
+
+class Written:
+    """Stands in for store/usage.py's Usage (tested on both databases in test_limits.py and
+    test_trials.py): the rows a turn hands it, kept in a list."""
+
+    def __init__(self):
+        self.rows = []
+
+    def record(self, spent, hold=None):
+        self.rows.append(spent)
+
+    def release(self, hold):
+        self.rows.append(None)
+
+
+async def test_a_stopped_reply_costs_at_most_its_room(pool, metrics):
+    """A stopped reply is counted from its text; text re-counted can come out longer than
+    the tokens that wrote it (a CI run counted 418 for a 400-token room): never more."""
+    usage = Written()
+    turn = Turn(pool, metrics, PROFILE, user="ann", message="Hi", usage=usage, source="chat")
+    prompt = turn.fit([], Message("user", "Hi"), system_prompt="", max_tokens=5)
+    turn.reply = "many words " * 40
+    assert pool.count_tokens(PROFILE, turn.reply) > 5
+    assert turn.end(asyncio.CancelledError()) == "stopped"
+    assert usage.rows[0].reply_tokens == prompt.max_tokens == 5 and usage.rows[0].stopped
