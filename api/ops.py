@@ -8,7 +8,8 @@
     GET /notice   what every open page says above the chat about the engines' state
                   (public/model-status.js): always 200
     GET /metrics  Prometheus' text format: the app's series (service/turn_metrics.py), every
-                  engine's vLLM series by preset (engine/metrics.py), the process's own;
+                  engine's vLLM series by preset and how accounts share each preset's line
+                  (engine/metrics.py), the process's own;
                   with several front ends every one's, labelled `front_end`
 
 None needs a login (probes and scrapers have none) and none holds a user's name or text.
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import Engines
-from engine.metrics import PresetSeries
+from engine.metrics import PresetSeries, ShareSeries
 from service.front_ends import PEER_HEADER
 
 
@@ -44,6 +45,7 @@ class Ops:
         self.page_notice = page_notice
         self.registry = CollectorRegistry()
         self.registry.register(PresetSeries(engines.metric_registries))
+        self.registry.register(ShareSeries(lambda: engines.admission))
         ProcessCollector(registry=self.registry)
         self.router = APIRouter()
         self.router.add_api_route("/ready", self.ready, methods=["GET"])

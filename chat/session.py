@@ -52,6 +52,9 @@ class Conversation:
     told_about_short_replies: bool = False
     in_flight: bool = False  # a turn of this session is being answered
     _started: collections.deque = field(default_factory=collections.deque)  # turn start times
+    # The last prompt this chat sent, in hashed pieces (prompt_pieces): vLLM's prefix cache
+    # likely holds it still, so the next prompt is read from where the two part.
+    _last_prompt: list[int] = field(default_factory=list, repr=False)
 
     @classmethod
     def start(cls, profile: Profile) -> "Conversation":
@@ -110,6 +113,16 @@ class Conversation:
                 return dropped
         return 0
 
+    def new_tokens(self, prompt: Prompt) -> int:
+        """About how many of the prompt's tokens the engine has to read: those past what it
+        shares with the last prompt sent (unless the cache has let that go since), which
+        it now is."""
+        pieces = prompt_pieces(prompt.token_ids)
+        shared = next((i for i, (a, b) in enumerate(zip(pieces, self._last_prompt)) if a != b),
+                      min(len(pieces), len(self._last_prompt)))
+        self._last_prompt = pieces
+        return prompt.prompt_tokens - shared * PROMPT_PIECE
+
     def sampling(self) -> dict:
         """The user's sampling settings, for the engine's stream() call."""
         return {"temperature": self.settings.temperature}
@@ -150,6 +163,17 @@ class Conversation:
             changes["show_stats"] = bool(values["show_stats"])
         self.settings = replace(self.settings, **changes)
         return problems
+
+
+# Tokens per piece of a prompt that a chat keeps as one hash (not its ids, which would be
+# megabytes for a long chat): what it shares with the next prompt is counted in these.
+PROMPT_PIECE = 256
+
+
+def prompt_pieces(token_ids: list[int]) -> list[int]:
+    """The hashes of a prompt's whole pieces of PROMPT_PIECE tokens, in order."""
+    return [hash(tuple(token_ids[i:i + PROMPT_PIECE]))
+            for i in range(0, len(token_ids) - PROMPT_PIECE + 1, PROMPT_PIECE)]
 
 
 # A reply's metadata key: how much of its stored text is the reply the history holds (what

@@ -8,6 +8,9 @@ stream, or the first token, is never held back); otherwise it waits until the in
 over, and the caller pulls the engine again only then, so the engine hands over what it
 made meanwhile as one piece.
 
+Before a reply's first piece the engine reads the prompt, saying nothing meanwhile: for a
+long one, `Reading` says how far it is, by the clock against an estimate.
+
 When many replies stream at once, a `Pace` shared by all of them lets the interval grow
 with their number: every event costs the server about the same whatever it carries. How
 many events a second all streams together may take before that depends on the machine:
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +39,11 @@ SLOWEST_INTERVAL_S = 0.2
 # app's core is its own: 64 streams keep 0.04 s, 256 get 0.128 s.
 EVENTS_PER_S_CPU = 160
 EVENTS_PER_S_GPU = 2000
+# How often the progress of a long prompt's reading is said: it is seen moving, and costs
+# one update a second.
+READING_UPDATE_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 class Pace:
@@ -134,3 +143,36 @@ class Coalescer:
         if self._counted:
             self._counted = False
             self._pace.by_rank[self._rank] -= 1
+
+
+class Reading:
+    """How far the engine has read a prompt, by the clock against `seconds`, the estimate
+    of the whole: `say(percent)` once `start`ed, and again every `every` seconds, until
+    `stop`. It stays below 100 (the reply's first piece says that reading is done), and
+    past the estimate it is None: the estimate was short, and no figure is made up."""
+
+    def __init__(self, say: Callable[[int | None], Awaitable[None]], seconds: float,
+                 every: float = READING_UPDATE_S):
+        self._say, self.seconds, self.every = say, seconds, every
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """From now (again after `stop`: a turn that waited in line is read once let in)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run(time.monotonic()))
+
+    async def _run(self, started: float) -> None:
+        try:
+            while True:
+                share = (time.monotonic() - started) / self.seconds
+                await self._say(min(99, int(share * 100)) if share < 1 else None)
+                await asyncio.sleep(self.every)
+        except Exception as exc:  # the page went away: the turn itself goes on
+            log.debug("reading progress not said: %r", exc)
+
+    async def stop(self) -> None:
+        """No more updates: when this returns, `say` is not running and will not run."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -20,11 +20,12 @@ from chainlit.chat_context import chat_context
 from chainlit.user_session import user_sessions
 
 from chat.session import HISTORY_CHARS, Conversation, Exchange
-from chat.streaming import Coalescer, Pace
+from chat.streaming import Coalescer, Pace, Reading
 from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
-                       STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reply_metadata,
-                       stats_line)
+                       STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reading_notice,
+                       reply_metadata, stats_line)
 from engine import ChatError, Engines, Message, Prompt
+from engine.settings import setting
 from service.input import check_message
 from service.shutdown import Shutdown
 from service.turn import Turn
@@ -54,7 +55,8 @@ def user_name() -> str | None:
 
 class WaitNote:
     """A turn's note while it waits (for the model to start, then for its place in line,
-    updated as it moves up), removed once the reply starts or the turn ends."""
+    updated as it moves up, or for a long message to be read), removed once the reply
+    starts or the turn ends."""
 
     def __init__(self, profile: str, metrics: TurnMetrics):
         self.profile = profile
@@ -98,8 +100,12 @@ def reply_room(session) -> int:
 class Turns:
     def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown,
                  store: ChatDataLayer, pace: Pace, usage: Usage,
-                 hold_of: Callable[[str], Hold | None], ignore_eos: bool = False):
+                 hold_of: Callable[[str], Hold | None], ignore_eos: bool = False,
+                 reading_note_s: float | None = None):
         self.engines = engines
+        # A message whose reading should take this long shows its progress meanwhile.
+        self.reading_note_s = setting("VCHAT_READING_NOTE_S") if reading_note_s is None \
+            else reading_note_s
         self.usage = usage  # each turn's cost stored (store/usage.py)
         # The place chat/guard.py took in the account's limits for a session's next turn.
         self.hold_of = hold_of
@@ -261,16 +267,50 @@ class Turns:
 
     async def _stream_reply(self, conv: Conversation, turn: Turn, prompt: Prompt,
                             reply: cl.Message, note: WaitNote) -> None:
-        """Stream the reply into `reply` as the engine writes it."""
+        """Stream the reply into `reply` as the engine writes it; until it begins, say how
+        far the engine has read a long prompt."""
         out = Coalescer(reply.stream_token, pace=self.pace,
                         rank=self.engines.priority(conv.profile.name))
+        reading = self._reading(conv, prompt, note)
+        waited = False
+
+        async def queued(place: int) -> None:
+            nonlocal waited
+            waited = True
+            await reading.stop()  # in line: its place is said instead
+            await note.show(place)
+
+        async def admitted() -> None:
+            if waited:  # out of the line: the engine starts reading it now
+                self._start_reading(reading)
+
         try:
-            async for text in turn.stream(prompt, on_queued=note.show, **conv.sampling()):
+            async for text in turn.stream(prompt, on_queued=queued, on_admitted=admitted,
+                                          **conv.sampling()):
+                await reading.stop()
                 await note.remove()
                 await out.feed(text)  # pulls the engine once per update
             await out.close()
         finally:
+            await reading.stop()  # stopped or failed while reading: the note goes with it
             out.discard()  # stopped or failed: what was not shown yet is not sent
+
+    def _reading(self, conv: Conversation, prompt: Prompt, note: WaitNote) -> Reading:
+        """The progress of the engine reading `prompt`, said in the turn's note (started
+        when the engine should take at least `reading_note_s` over it). An estimate: vLLM
+        says nothing of a prompt until its first token (engine/reading.py)."""
+        tokens = conv.new_tokens(prompt)
+        try:
+            seconds = self.engines.reading_s(conv.profile.name, tokens)
+        except ChatError:  # its engine is not serving: the turn says so
+            seconds = 0.0
+        reading = Reading(lambda percent: note.say(reading_notice(tokens, percent)), seconds)
+        self._start_reading(reading)
+        return reading
+
+    def _start_reading(self, reading: Reading) -> None:
+        if reading.seconds > 0 and reading.seconds >= self.reading_note_s:
+            reading.start()
 
     async def _end_early(self, conv: Conversation, user: Message, reply: cl.Message,
                          message_id: str) -> None:

@@ -77,3 +77,12 @@ def queued_notice(place: int) -> str:
     ahead = "next in line" if place == 1 else f"number {place} in line"
     return (f"Many people are chatting right now: your message is {ahead}. It will be "
             "answered as soon as a place is free (Stop withdraws it).")
+
+
+def reading_notice(tokens: int, percent: int | None) -> str:
+    """Said while the model reads a long message (its prefill: nothing comes out of it
+    meanwhile), until the reply begins; `percent` is an estimate (engine/reading.py), None
+    once the estimated time has run out."""
+    done = f"about {percent}% (estimated)" if percent is not None else \
+        "taking longer than estimated"
+    return f"*Reading your message ({tokens:,} tokens): {done}*"

@@ -18,6 +18,7 @@ from .chat_format import ChatFormatter
 from .decoding import Decoding, Piece
 from .errors import Unavailable
 from .history import Prompt
+from .reading import ReadingRate
 from .stats import StepStats, TurnStats
 
 
@@ -36,6 +37,7 @@ class Engine(abc.ABC):
     def __init__(self, preset: str):
         self.preset = preset
         self.step_stats = StepStats()  # vLLM's scheduler's view; empty where none is seen
+        self.reading = ReadingRate()  # how fast it reads prompts (fed by its turns)
         self.max_model_len: int | None = None  # once started
         self.started_in_s: float | None = None
         self._formatter: ChatFormatter | None = None

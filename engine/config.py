@@ -25,6 +25,7 @@ DEFAULT_PATH = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
 HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+ACCOUNT_SHARES = ("account_share", "account_queued_share")  # a preset's, in (0, 1]
 
 @dataclass(frozen=True)
 class Memory:
@@ -61,8 +62,15 @@ class Preset:
     remote: Remote | None = None  # its model runs on that server, not in this process
     gpus: tuple[int, ...] = ()  # the GPUs its engine runs on; () for the first it needs
     priority: int = 0  # on an engine shared with other presets: lower is served first
+    # One account's most, beside other accounts' turns: of the seats, and of a full line
+    # (engine/admission.py); alone it may use all of both.
+    account_share: float = 0.5
+    account_queued_share: float = 0.25
     # On a shared engine: the longest step while its turns run, by device ({"gpu": 9}).
     step_ms: dict = field(default_factory=dict)
+    # On a shared engine: how long prompts are cut while its turns run, by device
+    # ({"gpu": {"piece": 2048, "context": 65536}}: engine/steps.py, point 4).
+    long_prompts: dict = field(default_factory=dict)
 
     def options(self, gpu: bool) -> dict:
         """This preset's vLLM options on the device at hand."""
@@ -71,6 +79,10 @@ class Preset:
     def pace(self, gpu: bool) -> float | None:
         """The step duration its turns are promised on a shared engine, on this device."""
         return self.step_ms.get("gpu" if gpu else "cpu")
+
+    def long_pieces(self, gpu: bool) -> dict | None:
+        """Its long prompts' pieces on this device: {"piece": tokens, "context": tokens}."""
+        return self.long_prompts.get("gpu" if gpu else "cpu")
 
     def all_options(self) -> list[dict]:
         """Every option set this preset may run with (any device)."""
@@ -210,12 +222,16 @@ def _build(source: str, raw: dict) -> Config:
         body = check_type(source, where, body, dict)
         queued = check_number(source, f"{where}.max_queued_turns",
                               body.get("max_queued_turns", Preset.max_queued_turns), int, lo=0)
+        shares = {key: check_number(source, f"{where}.{key}",
+                                    body.get(key, getattr(Preset, key)), float, lo=0.0,
+                                    hi=1.0, lo_open=True) for key in ACCOUNT_SHARES}
         if "remote" in body:
-            presets[name] = _build_remote_preset(source, where, name, body, queued)
+            presets[name] = dataclasses.replace(
+                _build_remote_preset(source, where, name, body, queued), **shares)
             continue
         body = check_map(source, where, body, required={"memory_share"},
                          optional={"vllm", "vllm_cpu", "vllm_gpu", "max_queued_turns", "gpus",
-                                   "priority", "step_ms"})
+                                   "priority", "step_ms", "long_prompts", *ACCOUNT_SHARES})
         share = check_number(source, f"{where}.memory_share", body["memory_share"], float,
                              lo=0.0, hi=1.0, lo_open=True)
         presets[name] = Preset(
@@ -224,7 +240,10 @@ def _build(source: str, raw: dict) -> Config:
             check_vllm(source, f"{where}.vllm_gpu", body.get("vllm_gpu") or {}),
             gpus=_check_gpus(source, f"{where}.gpus", body.get("gpus", [])),
             priority=check_number(source, f"{where}.priority", body.get("priority", 0), int),
-            step_ms=_check_step_ms(source, f"{where}.step_ms", body.get("step_ms") or {}))
+            **shares,
+            step_ms=_check_step_ms(source, f"{where}.step_ms", body.get("step_ms") or {}),
+            long_prompts=_check_long_prompts(source, f"{where}.long_prompts",
+                                             body.get("long_prompts") or {}))
 
     profiles = []
     for i, body in enumerate(check_type(source, "profiles", raw["profiles"], list)):
@@ -253,6 +272,16 @@ def _check_step_ms(source: str, where: str, value) -> dict:
     raw = check_map(source, where, value, optional={"gpu", "cpu"})
     return {device: check_number(source, f"{where}.{device}", ms, float, lo=0.0, lo_open=True)
             for device, ms in raw.items()}
+
+
+def _check_long_prompts(source: str, where: str, value) -> dict:
+    raw = check_map(source, where, value, optional={"gpu", "cpu"})
+    pieces = {}
+    for device, body in raw.items():
+        body = check_map(source, f"{where}.{device}", body, required={"piece", "context"})
+        pieces[device] = {key: check_number(source, f"{where}.{device}.{key}", body[key], int,
+                                            lo=1) for key in ("piece", "context")}
+    return pieces
 
 
 def _check_placement(config: Config) -> None:
@@ -294,7 +323,8 @@ def _build_remote_preset(source: str, where: str, name: str, body: dict, queued:
         raise ConfigError(source, f"{where}.memory_share",
                           "not allowed beside `remote:`: a remote preset takes no memory "
                           "here (its server has its own); remove it")
-    check_map(source, where, body, required={"remote"}, optional={"max_queued_turns"})
+    check_map(source, where, body, required={"remote"},
+              optional={"max_queued_turns", *ACCOUNT_SHARES})
     at = f"{where}.remote"
     raw = check_map(source, at, body["remote"], required={"base_url", "model"},
                     optional={"api_key_env", "max_num_seqs", "max_model_len", "tokenizer",

@@ -149,14 +149,17 @@ def shared_preset(config: Config, group: EngineGroup, gpu: bool) -> Preset:
 
 def step_classes(group: EngineGroup, shapes: list[dict], engine: dict, gpu: bool) -> dict:
     """Each class's promise for the steps while its turns run, where it differs from the
-    engine's own steps: its step shape and its pace (`step_ms`), by priority (the first
-    preset of a priority speaks for it)."""
+    engine's own steps: its step shape, its pace (`step_ms`) and its long prompts' pieces
+    (`long_prompts`), by priority (the first preset of a priority speaks for it)."""
     classes: dict[str, dict] = {}
     for preset, shape in zip(group.presets, shapes):
         own = {key: shape.get(key) or 0 for key in STEP_SHAPE
                if (shape.get(key) or 0) != (engine.get(key) or 0)}
         if preset.pace(gpu) is not None:
             own["step_ms"] = preset.pace(gpu)
+        if preset.long_pieces(gpu):
+            own.update(long_piece=preset.long_pieces(gpu)["piece"],
+                       long_context=preset.long_pieces(gpu)["context"])
         if own and str(preset.priority) not in classes:
             classes[str(preset.priority)] = own
     return classes

@@ -220,10 +220,13 @@ class PresetEngine(Engine):
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, legs, out_tokens, finish, done = None, None, 0, "abort", False
+        cached = None  # prompt tokens found in the prefix cache (told with the first output)
         try:
             async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids),
                                              params, request_id, **self._priority(priority)):
                 completion = output.outputs[0]
+                if cached is None:
+                    cached = getattr(output, "num_cached_tokens", None)
                 out_tokens += len(completion.token_ids) if decoding is None else \
                     sum(len(choice.token_ids) for choice in output.outputs)
                 if ttft is None and out_tokens:
@@ -253,7 +256,8 @@ class PresetEngine(Engine):
                 log.debug("turn %s preset=%s aborted after %d tokens", request_id,
                           self.preset, out_tokens)
         stats = TurnStats(request_id, preset or self.preset, prompt.prompt_tokens, out_tokens,
-                          ttft, time.monotonic() - started, finish, legs)
+                          ttft, time.monotonic() - started, finish, legs, cached)
+        self.reading.add(stats)
         log.debug("turn %s preset=%s in=%d out=%d ttft=%s tok/s=%.1f finish=%s", request_id,
                   self.preset, stats.prompt_tokens, stats.output_tokens,
                   f"{ttft * 1000:.0f}ms" if ttft is not None else "-", stats.tokens_per_s,

@@ -137,7 +137,9 @@ class Engines:
                        if p.preset == preset.name]
             self.admission[preset.name] = Admission(
                 running, preset.max_queued_turns, line=line, priority=preset.priority,
-                keep_tokens=running * 2 * max(replies, default=0) if group.shared else 0)
+                keep_tokens=running * 2 * max(replies, default=0) if group.shared else 0,
+                account_share=preset.account_share,
+                account_queued_share=preset.account_queued_share)
             self.engine_of[preset.name] = group.name
 
     async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
@@ -251,7 +253,8 @@ class Engines:
         return engine
 
     async def health(self) -> dict:
-        """Overall verdict plus, per preset: healthy, requests in flight, peak batch. A
+        """Overall verdict plus, per engine: healthy, requests in flight, peak batch, and
+        each preset's line with how accounts share it (admission.py: figures, no names). A
         remote server out of reach makes the status "unreachable", naming its presets."""
         engines, restarting = {}, self.restarting
         # A copy: engines start (remote ones at once) while a check awaits.
@@ -280,7 +283,8 @@ class Engines:
                 kv_held=next((g.line.held for g in lines.values()), 0),
                 warm_up_s=self.warm_up_s.get(name),
                 presets={p: {"priority": g.priority, "admitted": g.inside, "queued": g.waiting,
-                             "seats": g.running, "max_queued": g.queued, "kv_held": g.held}
+                             "seats": g.running, "max_queued": g.queued, "kv_held": g.held,
+                             **g.shares()}
                          for p, g in lines.items()})
         ok = self.state == "ready" and bool(engines) and all(
             e["healthy"] for e in engines.values())
@@ -352,7 +356,8 @@ class Engines:
     async def stream(
         self, prompt: Prompt, profile: str,
         on_queued: Callable[[int], Awaitable[None]] | None = None, session: str | None = None,
-        decoding: Decoding | None = None, **sampling
+        decoding: Decoding | None = None, who: str | None = None,
+        on_admitted: Callable[[], Awaitable[None]] | None = None, **sampling
     ) -> AsyncIterator[str | Piece | TurnStats]:
         """Stream one turn on the profile's engine, with the profile's sampling unless
         `sampling` (temperature, top_p, ignore_eos, seed) says otherwise; `session`: the
@@ -361,7 +366,9 @@ class Engines:
         cache of n.
 
         The turn first takes a place in the engine's admission queue (admission.py):
-        `on_queued(place)` hears about waiting; a ChatError says the queue is full.
+        `on_queued(place)` hears about waiting, `on_admitted()` that the engine has the
+        turn (queued or not); a ChatError says the queue is full. `who`:
+        whose turn it is (an account; None: nobody's), for each one's fair share of the line.
         """
         prof = self.config.profile(profile)
         self._serving(prof)  # not running (starting, restarting): refused before queueing
@@ -371,9 +378,12 @@ class Engines:
         if self.groups[self.engine_of[prof.preset]].shared:
             sampling.update(priority=gate.priority, preset=prof.preset)
         replies = decoding.n if decoding else 1
-        async with gate.slot(on_queued, tokens=prompt.prompt_tokens + replies * prompt.max_tokens):
+        async with gate.slot(on_queued, tokens=prompt.prompt_tokens + replies * prompt.max_tokens,
+                             who=who):
             # Looked up once admitted: the engine may have been restarted while we waited.
             engine = self._serving(prof)
+            if on_admitted is not None:
+                await on_admitted()
             # aclosing: when our caller leaves early, the engine's stream is closed (and its
             # request aborted) now, not whenever the garbage collector gets to it.
             if decoding is not None:
@@ -382,3 +392,8 @@ class Engines:
                                                          **sampling)) as items:
                 async for item in items:
                     yield item
+
+    def reading_s(self, profile: str, tokens: int) -> float:
+        """About how long the profile's engine takes to read `tokens` new prompt tokens
+        (reading.py: the rate of its recent turns, or a default before any)."""
+        return self.for_profile(profile).reading.seconds(tokens, gpu=bool(self.gpu))

@@ -28,7 +28,9 @@ class _PlannedSteps:
 
     def schedule(self, *args, **kwargs):
         plan = self.planner.plan([(r.request_id, r.priority) for r in self.running],
-                                 (r.priority for r in self.waiting))
+                                 (r.priority for r in self.waiting),
+                                 [r.num_computed_tokens for r in self.running
+                                  if r.num_computed_tokens < r.num_prompt_tokens])
         if plan is None:
             out = super().schedule(*args, **kwargs)
         else:

@@ -168,6 +168,9 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_STREAM_EVENTS_PER_S", whole(1), None,
             "streamed updates a second for all replies together before each reply's "
             "interval grows (default: 160 without a GPU, 2000 with one)"),
+    Setting("VCHAT_READING_NOTE_S", number(0), "2",
+            "the chat shows how far the model has read a message (an estimate) when reading "
+            "it should take at least this many seconds"),
     Setting("VCHAT_GC_YOUNG_OBJECTS", whole(1), "50000",
             "new objects between Python's young garbage collections (Python's own: 700): "
             "fewer short-lived objects reach the full collections, which stop every session"),

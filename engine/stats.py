@@ -21,6 +21,9 @@ class TurnStats:
     # Where the first token's time went (FIRST_TOKEN_LEGS, seconds); None where the engine
     # does not say (a remote server, the stand-in, or no token came).
     first_token_legs: dict[str, float] | None = None
+    # Of prompt_tokens, those vLLM's prefix cache held (not read again); None where the
+    # engine does not say.
+    cached_tokens: int | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -16,6 +16,16 @@ while a higher class's turns run (or wait), each step follows that class's promi
 3. Its turns come first in the step's order, and the lower classes' turns let in leave
    room for its waiting turns' first prompt pieces, so a token budget never runs out
    before them (vLLM admits a waiting turn only with budget left after the running ones).
+4. Its long-prompt pieces (`long_piece` tokens up to `long_context` tokens of context): a
+   prompt piece reads the whole context before it, so its cost grows with how far the
+   prompt has got (an 8,192-token piece at 250K tokens of context took 1.7-1.9 s on an
+   H100, every other stream waiting as long: issue 53). While some turn decodes beside
+   prompts still being read, each step's piece is cut so that piece x context, summed over
+   those prompts, stays at `long_piece x long_context`: pieces of `long_piece` tokens at
+   first, smaller in proportion beyond `long_context` (never below `MIN_PIECE`). vLLM's
+   own `long_prefill_token_threshold` is one size for every context: small enough for the
+   end of a long prompt, it slows the start of every prompt. Alone (nobody decoding) a
+   prompt is read in the engine's own pieces.
 
 This module is the policy alone (no vLLM); engine/scheduler.py applies it inside vLLM's
 scheduler, in the engine's own process.
@@ -35,6 +45,7 @@ SMOOTHING = 0.3  # weight of the newest step's estimate of the seats that fit th
 # One step's estimate moves at most this far from the seats it ran with (a pause of the
 # engine's process, say, is not the GPU's pace).
 MOST_CHANGE = 2.0
+MIN_PIECE = 64  # a long prompt's piece never shrinks below this: it keeps being read
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class ClassSteps:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None
     step_ms: float | None = None
+    long_piece: int | None = None  # with long_context: a long prompt's pieces (point 4)
+    long_context: int | None = None
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -60,6 +73,14 @@ class Plan:
     long_prefill_token_threshold: int | None = None
     lower_seats: int | None = None  # lower classes' turns let in (when paced)
     step_ms: float | None = None  # the pace it keeps (when paced)
+    long_piece: int | None = None  # the piece of each prompt being read (when cut to it)
+
+
+def long_piece(piece: int, context: int, reading: Sequence[int]) -> int:
+    """The piece each prompt being read gets, where `reading` holds how many of each one's
+    tokens are in already: together they read about what one `piece` reads at `context`."""
+    load = sum(max(done, context) for done in reading)
+    return max(MIN_PIECE, min(piece, piece * context // max(load, 1)))
 
 
 class StepPlanner:
@@ -74,10 +95,11 @@ class StepPlanner:
         self._place: dict[str, int] = {}  # lower turns' places in the last step's order
         self._last_output: float | None = None
 
-    def plan(self, running: Sequence[tuple[str, int]], waiting: Iterable[int] = ()
-             ) -> Plan | None:
+    def plan(self, running: Sequence[tuple[str, int]], waiting: Iterable[int] = (),
+             reading: Sequence[int] = ()) -> Plan | None:
         """`running`: (request id, priority) in the engine's order; `waiting`: priorities
-        of the requests not yet running. None when the step needs no arranging."""
+        of the requests not yet running; `reading`: of the running requests whose prompt is
+        not all in, how many of its tokens are. None when the step needs no arranging."""
         self.step += 1
         waiting = list(waiting)
         classes = [p for _, p in running] + waiting
@@ -109,9 +131,15 @@ class StepPlanner:
             room = len(own) + min(waiting.count(top) * piece, max(0, budget - len(own)))
             seats = max(floor, min(seats, budget - room))
             budget = max(budget, room + seats)
-        return Plan(frozenset(lower[seats:]), order, budget,
-                    promise.long_prefill_token_threshold, seats if paced else None,
-                    promise.step_ms if paced else None)
+        threshold, piece = promise.long_prefill_token_threshold, None
+        if promise.long_piece and promise.long_context and len(running) > len(reading):
+            # Someone decodes: prompts are read in pieces, a new one's first at most
+            # `long_piece` (vLLM cuts running and waiting prompts alike).
+            piece = long_piece(promise.long_piece, promise.long_context, reading) \
+                if reading else promise.long_piece
+            threshold = min(threshold or piece, piece)
+        return Plan(frozenset(lower[seats:]), order, budget, threshold,
+                    seats if paced else None, promise.step_ms if paced else None, piece)
 
     def scheduled(self, request_ids: Iterable[str], running: Iterable[str]) -> None:
         """Record who got tokens this step; forget requests no longer running."""

@@ -9,6 +9,8 @@
 #   scripts/gpu_run.sh OUT compare [ARGS...]       bench.serve_compare (the app against vLLM's
 #                                                  server and the usual Chainlit app, ~5 min)
 #   scripts/gpu_run.sh OUT big-request [ARGS...]   bench.big_request on the shipped engines
+#   scripts/gpu_run.sh OUT isolation [ARGS...]     bench.isolation (a long prompt beside
+#                                                  streams) on the shipped shared engine
 #   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
 #                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
@@ -118,6 +120,12 @@ case "$step" in
       > "$out/big-request.log" 2>&1
     status=$?; grep -v '^{' "$out/big-request.log" | tail -12
     [ "$status" = 0 ] || cp .cache/server-*.log "$out/" 2>/dev/null; exit $status ;;
+  isolation)  # bench.isolation on the shipped shared engine (compiled, the file's context)
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.isolation --out "$out/isolation-${ISOLATION_NAME:-run}.json" "$@" \
+      > "$out/isolation-${ISOLATION_NAME:-run}.log" 2>&1
+    status=$?; grep '^{' "$out/isolation-${ISOLATION_NAME:-run}.log" | cut -c1-400
+    [ "$status" = 0 ] || tail -30 "$out/isolation-${ISOLATION_NAME:-run}.log"; exit $status ;;
   two-gpus)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.two_gpus "$@" > "$out/two-gpus.log" 2>&1
     status=$?; tail -40 "$out/two-gpus.log"; cp bench/results/two-gpus* "$out/" 2>/dev/null

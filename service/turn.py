@@ -68,6 +68,10 @@ class Turn:
         # What keeps its turns on one model server behind a router (engine/remote.py): the
         # chat's id, or what an API client sent as its session.
         self.session = session or thread_id
+        # Whose turn it is, for each one's fair share of the engine's line (engine/
+        # admission.py): its account; without one, its chat, or the operator's API key.
+        self.who = f"account:{account}" if account is not None else \
+            f"chat:{thread_id}" if thread_id else "operator"
         self.ignore_eos = ignore_eos  # benchmarks: every reply runs to max_tokens
         self.record = TurnRecord("failed", user, profile, message=message)
         self.record.arrival = arrival  # when the message reached the server, and its way
@@ -97,13 +101,15 @@ class Turn:
 
     async def stream(self, prompt: Prompt,
                      on_queued: Callable[[int], Awaitable[None]] | None = None,
+                     on_admitted: Callable[[], Awaitable[None]] | None = None,
                      **sampling) -> AsyncIterator[str]:
         """The reply's text as the engine writes it (after its place in line, which
-        `on_queued(place)` hears about); `stats` holds the engine's figures at the end.
-        Leaving early ends the turn on the engine."""
+        `on_queued(place)` hears about, and `on_admitted()` of its end); `stats` holds the
+        engine's figures at the end. Leaving early ends the turn on the engine."""
         async with contextlib.aclosing(self.engines.stream(
-                prompt, self.profile, on_queued=on_queued, ignore_eos=self.ignore_eos,
-                session=self.session, **sampling)) as items:
+                prompt, self.profile, on_queued=on_queued, on_admitted=on_admitted,
+                ignore_eos=self.ignore_eos, session=self.session, who=self.who,
+                **sampling)) as items:
             async for item in items:
                 if isinstance(item, TurnStats):
                     self.stats = item

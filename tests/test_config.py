@@ -99,6 +99,12 @@ CASES = [
         step_ms={"tpu": 5}), "presets.latency-first.step_ms.tpu", "allowed: cpu, gpu"),
     ("pace of no time", lambda d: d["presets"]["latency-first"].update(step_ms={"gpu": 0}),
      "presets.latency-first.step_ms.gpu", "> 0"),
+    ("long prompts' piece missing", lambda d: d["presets"]["latency-first"].update(
+        long_prompts={"gpu": {"context": 65536}}), "presets.latency-first.long_prompts.gpu.piece",
+     "missing"),
+    ("long prompts' piece of nothing", lambda d: d["presets"]["latency-first"].update(
+        long_prompts={"gpu": {"piece": 0, "context": 65536}}),
+     "presets.latency-first.long_prompts.gpu.piece", ">= 1"),
 ]
 
 
@@ -278,10 +284,14 @@ def test_the_presets_share_one_engine_by_priority():
     fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     assert args["scheduling_policy"] == "priority"
     assert args["max_num_seqs"] == fast.vllm_gpu["max_num_seqs"] + big.vllm_gpu["max_num_seqs"]
-    # The engine takes the largest step; Latency-first's pace applies while its turns run
-    # (engine/steps.py, in vLLM's process); on a GPU its step is the same as the engine's.
+    # The engine takes the largest step; Latency-first's pace and long prompts' pieces
+    # apply while its turns run (engine/steps.py, in vLLM's process); on a GPU its step is
+    # the same as the engine's.
     assert args["max_num_batched_tokens"] == big.vllm_gpu["max_num_batched_tokens"]
-    assert args["additional_config"][STEP_CLASSES_KEY] == {"0": {"step_ms": fast.step_ms["gpu"]}}
+    pieces = fast.long_prompts["gpu"]
+    assert args["additional_config"][STEP_CLASSES_KEY] == {"0": {
+        "step_ms": fast.step_ms["gpu"], "long_piece": pieces["piece"],
+        "long_context": pieces["context"]}}
     assert args["gpu_memory_utilization"] == config.memory.gpu_memory_utilization
     # Without a GPU: Latency-first's step budget and prompt pieces, no pace.
     cpu_args = group_setup(config, group, "/m", CPU, env={}).args

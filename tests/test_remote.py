@@ -85,7 +85,7 @@ CASES = [
     ("memory share beside remote", with_remote(lambda p: p.update(memory_share=0.5)),
      "presets.latency-first.memory_share", "takes no memory here"),
     ("unknown key", with_remote(lambda p: p.update(gpus=2)), "presets.latency-first.gpus",
-     "allowed: max_queued_turns, remote"),
+     "allowed: account_queued_share, account_share, max_queued_turns, remote"),
     ("no model", with_remote(lambda p: p["remote"].pop("model")),
      "presets.latency-first.remote.model", "missing"),
     ("unknown remote key", with_remote(api_key="sk-123"), "presets.latency-first.remote.api_key",

@@ -17,15 +17,20 @@ SHARED = "latency-first+throughput-first"
 # Latency-first's pace on this CPU for these tests: shorter than any step here, so while
 # its turns run Throughput-first's turns get the least share of the steps (one in 8).
 TEST_PACE_MS = 0.001
+# Throughput-first reads whole prompts; here, beside turns that decode, in pieces of 128
+# tokens up to 128 tokens of context, smaller beyond (engine/steps.py, point 4).
+TEST_PIECES = {"piece": 128, "context": 128}
 
 
 @pytest.fixture(scope="module")
 async def shared():
     config = load_config(env={**os.environ, "VCHAT_ENGINES": "shared"})
-    fast = config.presets["latency-first"]
+    fast, big = config.presets["latency-first"], config.presets["throughput-first"]
     config = dataclasses.replace(config, presets={
         **config.presets, fast.name: dataclasses.replace(
-            fast, step_ms={"cpu": TEST_PACE_MS, "gpu": TEST_PACE_MS})})
+            fast, step_ms={"cpu": TEST_PACE_MS, "gpu": TEST_PACE_MS}),
+        big.name: dataclasses.replace(big, long_prompts={"cpu": TEST_PIECES,
+                                                         "gpu": TEST_PIECES})})
     pool = Engines(config)
     await pool.start()
     yield pool
@@ -72,7 +77,8 @@ async def test_one_engine_schedules_by_priority_with_every_preset_seats(shared):
     own = {key: fast[key] for key in ("max_num_batched_tokens", "long_prefill_token_threshold")
            if fast.get(key) and fast[key] != getattr(steps, key)}
     assert engine.llm.vllm_config.additional_config["vchat_step_classes"] == {
-        "0": {**own, "step_ms": TEST_PACE_MS}}
+        "0": {**own, "step_ms": TEST_PACE_MS},
+        "1": {"long_piece": TEST_PIECES["piece"], "long_context": TEST_PIECES["context"]}}
     if not gpu:  # its memory: both shares
         assert engine.setup.args["kv_cache_memory_bytes"] == 1 << 30
     health = await shared.health()
@@ -173,6 +179,32 @@ async def test_while_latency_first_runs_throughput_first_turns_take_turns(shared
             await asyncio.sleep(0.01)
         after = [counts[i] - mark[i] for i in range(8)]
         assert min(after) >= 30, f"alone, they run in every step again: {after}"
+    finally:
+        for task in low:
+            task.cancel()
+        await asyncio.gather(*low, return_exceptions=True)
+
+
+async def test_beside_turns_that_decode_a_long_prompt_is_read_in_shrinking_pieces(shared):
+    """The planned scheduler cuts a long prompt into pieces while other turns decode, each
+    smaller as its context grows (Throughput-first's TEST_PIECES here): every step of its
+    reading gives each of them a token. Without it the engine reads the prompt whole, in
+    one step: the others would wait through it with no token (issue 53)."""
+    llm = shared.engines[SHARED].llm
+    short = fitted(shared, "Throughput-first", max_tokens=1200)
+    counts: dict = {}
+    low = [asyncio.ensure_future(tokens_of(llm, short, 1200, 1, counts, i)) for i in range(2)]
+    long = shared.raw_prompt("Throughput-first", [1000 + i % 5000 for i in range(1800)], 1)
+    try:
+        while len(counts) < 2 or min(counts.values()) < 3:
+            await asyncio.sleep(0.05)
+        before = dict(counts)
+        await tokens_of(llm, long, 1, 1, counts, "long")
+        during = [counts[i] - before[i] for i in range(2)]
+        # 128 + 128 tokens, then 128 x 128 / context, at least MIN_PIECE (64): ~28 steps
+        # (28 in a run; without the pieces the others made 9 tokens meanwhile).
+        assert min(during) >= 20, during
+        assert all(not task.done() for task in low), "they were still decoding"
     finally:
         for task in low:
             task.cancel()

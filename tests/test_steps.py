@@ -2,7 +2,7 @@
 sits a step out, in what order the rest are taken, and how the pace is learnt from the
 steps' durations. The engine applying it is tested in tests/test_shared_engine.py."""
 
-from engine.steps import SLOWEST_SHARE, ClassSteps, StepPlanner
+from engine.steps import MIN_PIECE, SLOWEST_SHARE, ClassSteps, StepPlanner, long_piece
 
 LF, TF = 0, 1
 PACED = {LF: ClassSteps(max_num_batched_tokens=2048, step_ms=10)}
@@ -108,3 +108,30 @@ def test_a_waiting_top_turn_finds_room_in_the_step_however_many_lower_turns_run(
     paced.seats = 30.0
     plan = paced.plan(running(0, 40), waiting=[LF])
     assert plan.lower_seats == 12 and plan.max_num_batched_tokens == 24
+
+
+LONG = {LF: ClassSteps(max_num_batched_tokens=8192, long_piece=2048, long_context=65536)}
+
+
+def test_a_long_prompt_is_read_in_pieces_that_shrink_as_its_context_grows():
+    """Piece x context stays at 2048 x 65536 beyond 64K tokens of context (issue 53)."""
+    assert long_piece(2048, 65536, [0]) == 2048
+    assert long_piece(2048, 65536, [131072]) == 1024
+    assert long_piece(2048, 65536, [250_000]) == 2048 * 65536 // 250_000 == 536
+    # Two prompts read at once share one piece's cost.
+    assert long_piece(2048, 65536, [250_000, 250_000]) == 268
+    assert long_piece(2048, 65536, [10**9]) == MIN_PIECE, "it keeps being read"
+    planner = StepPlanner(LONG)
+    beside = planner.plan(running(3, 0), reading=[250_000])
+    assert beside.long_prefill_token_threshold == beside.long_piece == 536
+
+
+def test_a_prompt_read_alone_or_without_a_promise_keeps_the_engines_own_pieces():
+    assert StepPlanner(LONG).plan(running(1, 0), reading=[250_000]).long_piece is None
+    # Beside turns that decode, a new prompt's first piece is the whole piece.
+    assert StepPlanner(LONG).plan(running(3, 0)).long_piece == 2048
+    # The promise of the top class decides: Throughput-first alone has none here.
+    assert StepPlanner(LONG).plan(running(0, 3), reading=[250_000]) is None
+    # A class's own cut (long_prefill_token_threshold) stays where it is smaller.
+    own = {LF: ClassSteps(long_prefill_token_threshold=256, long_piece=2048, long_context=65536)}
+    assert StepPlanner(own).plan(running(3, 0), reading=[0]).long_prefill_token_threshold == 256
