@@ -18,8 +18,13 @@ the promise of a priority class of its own (`PIECE/CONTEXT`, or `none`: the engi
 steps, as shipped before issue 53), and a trial's streams and probes run in that class, the
 long prompt below it (so the class's promise shapes its steps).
 
-    .venv/bin/python -m bench.isolation --plan sweep --out bench/results/isolation-cpu.json
-    VCHAT_MODEL=qwen3-4b-dummy python -m bench.isolation --plan gpu-sweep ...   (on a GPU)
+    .venv/bin/python -m bench.isolation --plan cpu --users 4 --long-tokens 1800 \
+        --variants none 128/256 --chosen 128/256 --reply 64 --quiet-s 4 --probe-tokens 32 \
+        --probe-every-s 1 --repeats 2 --out bench/results/isolation-cpu.json     (CPU scale)
+    scripts/gpu_run.sh OUT isolation --plan sweep loads heavy two --users 64 \
+        --variants none 2048/32768 2048/65536 2048/131072 --chosen 2048/65536   (on a GPU)
+    .venv/bin/python -m bench.isolation --report RUN.json --out bench/results/gpu-isolation.json \
+        --png bench/results/gpu-isolation.png        (the targets and the plot of a run)
 """
 
 from __future__ import annotations
@@ -154,7 +159,7 @@ def trials_of(plan: str, args) -> list[tuple[int, int, bool, bool]]:
         "cpu": [(i, args.users, q, False) for i in every for q in (False, True)],
         "sweep": [(-1, 0, True, False)]
         + [(i, args.users, q, False) for i in every for q in (False, True)],
-        "loads": [(chosen, u, q, False) for u in (16, 240, 64, 16, 240) for q in (False, True)],
+        "loads": [(chosen, u, q, False) for u in (16, 240, 64) for q in (False, True)],
         "two": [(chosen, args.users, True, True)],
     }[plan]
 
@@ -267,11 +272,12 @@ def parse(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=53)
     parser.add_argument("--out")
+    parser.add_argument("--report", metavar="RUN.json",
+                        help="no run: write RUN.json's targets into --out and its plot to --png")
+    parser.add_argument("--png")
     return parser.parse_args(argv)
 
 
-if __name__ == "__main__":
-    asyncio.run(main(parse()))
 
 
 def piece_at_end(variant: str, long_tokens: int) -> int:
@@ -306,7 +312,8 @@ def plot(result: dict, path: str, shipped: str) -> None:
     right.plot(x, ttft, "s--", color="tab:red", label="long prompt's TTFT (s)")
     right.set_ylabel("long prompt's TTFT (s)", color="tab:red")
     for name, xi, gi in zip(names, x, gap):
-        left.annotate(name + (" (shipped)" if name == shipped else ""), (xi, gi),
+        mark = " (shipped)" if result.get("device") != "CPU" else " (chosen)"
+        left.annotate(name + (mark if name == shipped else ""), (xi, gi),
                       textcoords="offset points", xytext=(4, 6), fontsize=8,
                       fontweight="bold" if name == shipped else "normal")
     users = sorted({t["users"] for v in names for t in rows[v]})
@@ -314,3 +321,68 @@ def plot(result: dict, path: str, shipped: str) -> None:
                    f"({result.get('device', 'GPU')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 53's targets from one run: each figure a median over the trials (pairs: a
+    long trial and the quiet trial just before it, same variant and users)."""
+    chosen, trials = result["chosen"], result["trials"]
+    out = []
+
+    def add(name, values, target, direction):
+        values = [v for v in values if v is not None]
+        if values:
+            out.append({"name": name, "measured": round(float(np.median(values)), 3),
+                        "target": target, "direction": direction, "n": len(values)})
+
+    pairs = [(q, t) for q, t in zip(trials, trials[1:]) if t["long_tokens"] and not t["two"]
+             and not q["long_tokens"] and q["users"] == t["users"] and q["variant"] == t["variant"]]
+    for users in sorted({t["users"] for _, t in pairs}):
+        mine = [(q, t) for q, t in pairs if t["users"] == users and t["variant"] == chosen]
+        add(f"others' update gap p95 (ms), long prompt beside {users} streams",
+            [t["gap_p95_ms"] for _, t in mine], 150, "<=")
+        add(f"others' update gap max (ms), long prompt beside {users} streams",
+            [t["gap_max_ms"] for _, t in mine], 500, "<=")
+        add(f"new short turn's TTFT p95 (ms) meanwhile, {users} streams",
+            [t["probe_ttft_p95_ms"] for _, t in mine], 300, "<=")
+        add(f"others' tok/s with / without the long prompt, {users} streams",
+            [t["tok_s"] / q["tok_s"] for q, t in mine if q["tok_s"]], 0.8, ">=")
+    alone = [t["long_ttft_s"][0] for t in trials if t["variant"] == "alone"]
+    if alone:
+        beside = [t["long_ttft_s"][0] for _, t in pairs if t["variant"] == chosen]
+        add("long prompt's TTFT beside streams / alone on an idle engine",
+            [b / float(np.median(alone)) for b in beside], 1.3, "<=")
+    two = [t for t in trials if t["two"]]
+    if two:
+        add("two long prompts at once: both answered (share of runs)",
+            [float(len(t["long_ttft_s"]) == 2) for t in two], 1.0, ">=")
+        add("two long prompts at once: others' update gap p95 (ms)",
+            [t["gap_p95_ms"] for t in two], 150, "<=")
+    heavy = result.get("heavy", [])
+    hpairs = [(a, b) for a, b in zip(heavy, heavy[1:]) if not a["heavy"] and b["heavy"]]
+    add("one account's 300 requests: chat users' TTFT p95 with / without",
+        [b["ttft_p95_ms"] / a["ttft_p95_ms"] for a, b in hpairs
+         if a["ttft_p95_ms"] and b["ttft_p95_ms"]], 2.0, "<=")
+    add("one account's 300 requests: chat users' pieces/s with / without",
+        [b["pieces_s"] / a["pieces_s"] for a, b in hpairs if a["pieces_s"]], 0.8, ">=")
+    for t in out:
+        t["met"] = t["measured"] <= t["target"] if t["direction"] == "<=" else \
+            t["measured"] >= t["target"]
+    return out
+
+
+def report(args) -> None:
+    run = json.loads(Path(args.report).read_text())
+    run["targets"] = targets(run)
+    for t in run["targets"]:
+        print(f"{'met' if t['met'] else 'MISSED':6} {t['name']}: {t['measured']} "
+              f"({t['direction']} {t['target']}, median of {t['n']})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(run, indent=1))
+    if args.png:
+        plot(run, args.png, run["chosen"])
+
+
+if __name__ == "__main__":
+    arguments = parse()
+    report(arguments) if arguments.report else asyncio.run(main(arguments))
