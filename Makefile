@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles bench-replicas lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles bench-replicas bench-isolation conformance lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -20,7 +20,10 @@ model: setup
 run: model
 	$(PY) -m service.front_ends --host $(HOST) --port $(PORT)
 
+# vLLM's own OpenAI-server test files (tests/test_conformance.py runs a few of them) are
+# fetched first, into .cache/vllm-tests; without network those tests are skipped.
 test: model
+	-@$(PY) -m tools.conformance fetch > /dev/null
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The README's pictures, from the browser tests' last run (tests/e2e saves them).
@@ -57,6 +60,25 @@ bench-profiles: model
 REPLICAS_ARGS ?= --users 32 --seconds 60 --pairs 4 --out bench/results/replicas-cpu.json
 bench-replicas: model
 	$(PY) -m bench.replicas $(REPLICAS_ARGS)
+
+# Other users' streams while a long prompt is read, the pieces it is cut into side by side,
+# and one account's burst beside chat users (bench/isolation.py, issue 53), at CPU scale;
+# on a GPU: scripts/gpu_run.sh OUT isolation (its docstring has the full-size arguments).
+ISOLATION_ARGS ?= --plan cpu heavy --users 4 --long-tokens 1800 --variants none 128/256 \
+	--chosen 128/256 --reply 64 --quiet-s 4 --probe-tokens 32 --probe-every-s 1 --repeats 2 \
+	--chat-users 4 --heavy 60 --heavy-s 8 --out bench/results/isolation-cpu.json
+bench-isolation: model
+	$(PY) -m bench.isolation $(ISOLATION_ARGS)
+	$(PY) -m bench.isolation --report bench/results/isolation-cpu.json \
+		--out bench/results/isolation-cpu.json --png bench/results/isolation-cpu.png
+
+# vLLM 0.32.0's own OpenAI-server tests (12 files of tests/entrypoints/openai/, fetched from
+# its source package into .cache/vllm-tests) against the app (tools/conformance.py, issue 54);
+# CONFORMANCE_TARGET=vllm runs them against vLLM's own server with the same model (the
+# baseline). Writes bench/results/conformance-cpu.json (conformance-vllm-cpu.json).
+CONFORMANCE_TARGET ?= app
+conformance: model
+	$(PY) -m tools.conformance run --target $(CONFORMANCE_TARGET) $(CONFORMANCE_ARGS)
 
 # Recompile the pinned requirements.txt from requirements.in (needs the CPU torch wheel
 # where uv can see it: a local folder via FIND_LINKS, or PyTorch's CPU index).

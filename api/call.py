@@ -46,13 +46,16 @@ class Call:
         decoding, tools = asked.get("decoding"), asked.get("tools")
         self.choices = Choices(decoding.n if decoding else 1, tools)
         self.logprobs = decoding is not None and decoding.logprobs is not None
+        # vLLM's return_token_ids: the prompt's ids and each choice's (each chunk's) too
+        self.token_ids = bool(asked.get("return_token_ids"))
 
     def fit(self) -> Prompt:
         tools = self.asked["tools"]
         return self.turn.fit(self.asked["history"], self.asked["new"],
                              system_prompt=self.asked["system_prompt"],
                              max_tokens=self.asked["max_tokens"],
-                             tools=None if tools is None else list(tools.specs))
+                             tools=None if tools is None else list(tools.specs),
+                             template=self.asked.get("template"))
 
     def items(self) -> AsyncIterator[str | Piece]:
         return self.turn.stream(self.prompt, decoding=self.asked["decoding"],
@@ -81,11 +84,15 @@ class Call:
         except Exception as exc:
             return self.failed(exc)
         self.end()
-        return JSONResponse({**self.head(self.kind), "choices": self.whole_choices(),
-                             "usage": self.usage()})
+        body = {**self.head(self.kind), "choices": self.whole_choices(), "usage": self.usage()}
+        if self.kind == "chat.completion":  # vLLM's own keys, null unless asked
+            body.update(prompt_logprobs=self.choices.prompt_logprobs,
+                        prompt_token_ids=self.prompt.token_ids if self.token_ids else None)
+        return JSONResponse(body)
 
     def whole_choices(self) -> list[dict]:
-        return self.choices.messages(self.turn.stats.finish_reason, self.logprobs)
+        return self.choices.messages(self.turn.stats.finish_reason, self.logprobs,
+                                     self.token_ids)
 
     async def _collect(self) -> None:
         async for item in self.items():
@@ -128,11 +135,11 @@ class Call:
             while item is not None:
                 piece = self.choices.take(item)
                 for choice, finish in self.piece_chunks(piece):
-                    yield self.chunk(piece.index, choice, finish)
+                    yield self.chunk(piece.index, choice, finish, self.usage_so_far(piece.index))
                 item = await first_of(items)
             for index in self.choices.open():  # the plain path ends in the turn's stats
                 for choice, finish in self.ending(index):
-                    yield self.chunk(index, choice, finish)
+                    yield self.chunk(index, choice, finish, self.usage_so_far(index))
             if include_usage:
                 yield sse({**self.head(self.chunk_kind), "choices": [],
                            "usage": self.usage()})
@@ -155,18 +162,39 @@ class Call:
 
     def opening(self) -> list[str]:
         """Each choice's first chunk: its role."""
-        return [self.chunk(i, {"delta": {"role": "assistant", "content": ""}})
+        return [self.chunk(i, {"delta": {"role": "assistant", "content": ""}}, None,
+                           self.usage_so_far(i), self.prompt.token_ids if self.token_ids
+                           else None)
                 for i in range(len(self.choices.texts))]
 
     def piece_chunks(self, piece: Piece) -> list[tuple[dict, str | None]]:
-        return self.choices.deltas(piece, self.logprobs)
+        chunks = self.choices.deltas(piece, self.logprobs)
+        if self.token_ids:  # the piece's token ids on its first chunk
+            for n, (choice, _) in enumerate(chunks):
+                choice["token_ids"] = list(piece.token_ids or ()) if n == 0 else []
+        return chunks
 
     def ending(self, index: int) -> list[tuple[dict, str | None]]:
         return self.choices.ending(index, self.turn.stats.finish_reason)
 
-    def chunk(self, index: int, choice: dict, finish_reason: str | None = None) -> str:
-        return sse({**self.head(self.chunk_kind), "choices": [
-            {"index": index, **choice, "finish_reason": finish_reason}]})
+    def chunk(self, index: int, choice: dict, finish_reason: str | None = None,
+              usage: dict | None = None, prompt_token_ids: list | None = None) -> str:
+        body = {**self.head(self.chunk_kind), "choices": [
+            {"index": index, **choice, "finish_reason": finish_reason}]}
+        if usage is not None:
+            body["usage"] = usage
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
+        return sse(body)
+
+    def usage_so_far(self, index: int) -> dict | None:
+        """A chunk's usage with stream_options.continuous_usage_stats (as vLLM's: the
+        prompt and choice `index`'s tokens so far), else None."""
+        if not self.asked.get("continuous_usage"):
+            return None
+        prompt, reply = self.prompt.prompt_tokens, self.choices.tokens[index]
+        return {"prompt_tokens": prompt, "completion_tokens": reply,
+                "total_tokens": prompt + reply}
 
     def usage(self) -> dict:
         s = self.turn.stats

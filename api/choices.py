@@ -19,6 +19,11 @@ class Choices:
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
+        # Each choice's tokens so far (a piece without its ids counts as one), for the
+        # usage in every chunk (stream_options.continuous_usage_stats).
+        self.tokens = [0] * n
+        self.ids: list[list[int]] = [[] for _ in range(n)]  # where the engine says them
+        self.prompt_logprobs: list | None = None  # where asked (vLLM's prompt_logprobs)
         self.readers = [CallReader(tools) for _ in range(n)] \
             if tools is not None and tools.reads_calls else None
 
@@ -29,6 +34,13 @@ class Choices:
             self.logprobs[piece.index].extend(piece.logprobs)
         if piece.finish_reason:
             self.finish[piece.index] = piece.finish_reason
+        if piece.prompt_logprobs:  # in order, in one piece or several
+            self.prompt_logprobs = (self.prompt_logprobs or []) + piece.prompt_logprobs
+        if piece.token_ids is not None:
+            self.tokens[piece.index] += len(piece.token_ids)
+            self.ids[piece.index].extend(piece.token_ids)
+        elif piece.text:
+            self.tokens[piece.index] += 1
         return piece
 
     def text(self, index: int) -> str:
@@ -44,8 +56,10 @@ class Choices:
 
     # -- whole -------------------------------------------------------------------------
 
-    def messages(self, default_finish: str, logprobs: bool) -> list[dict]:
-        """A chat completion's choices."""
+    def messages(self, default_finish: str, logprobs: bool, token_ids: bool = False
+                 ) -> list[dict]:
+        """A chat completion's choices (`token_ids`: each with its reply's token ids, as
+        vLLM's return_token_ids)."""
         out = []
         for i in range(len(self.texts)):
             content, calls = self.text(i), []
@@ -59,6 +73,8 @@ class Choices:
             out.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(self.logprobs[i]) if logprobs else None,
                         "finish_reason": self.finish_reason(i, calls, default_finish)})
+            if token_ids:
+                out[-1]["token_ids"] = self.ids[i]
         return out
 
     def completions(self, default_finish: str, logprobs: bool) -> list[dict]:
@@ -73,7 +89,8 @@ class Choices:
     def deltas(self, piece: Piece, logprobs: bool) -> list[tuple[dict, str | None]]:
         """What a chat stream sends for `piece`: (choice without its index, finish reason)
         for each chunk: its text as content (less what may be a tool call), its log
-        probabilities, and at the choice's end its calls and its finish."""
+        probabilities, and at the choice's end its calls and its finish, on the last
+        chunk (as `vllm serve`: the last text and the finish reason come together)."""
         i = piece.index
         text = piece.text if self.readers is None else self.readers[i].feed(piece.text)
         out = []
@@ -82,13 +99,15 @@ class Choices:
                          "logprobs": chat_logprobs(piece.logprobs) if logprobs else None},
                         None))
         if piece.finish_reason:
-            out += self.ending(i, piece.finish_reason)
+            return self.ending(i, piece.finish_reason, out)
         return out
 
-    def ending(self, index: int, default_finish: str) -> list[tuple[dict, str | None]]:
-        """A choice's last chunks: the content held back and the calls read, then its
-        finish reason."""
-        out, calls = [], []
+    def ending(self, index: int, default_finish: str, out: list | None = None
+               ) -> list[tuple[dict, str | None]]:
+        """A choice's last chunks (after `out`, its last piece's): the content held back
+        and the calls read, the last of them with its finish reason (alone, in an empty
+        delta, where there is none)."""
+        out, calls = list(out or ()), []
         if self.readers is not None:
             rest, calls = self.readers[index].finish()
             if rest:
@@ -97,7 +116,10 @@ class Choices:
                 out.append(({"delta": {"tool_calls": [
                     {"index": k, **call} for k, call in enumerate(calls)]}}, None))
         self.finish[index] = self.finish_reason(index, calls, default_finish)
-        out.append(({"delta": {}}, self.finish[index]))
+        if out:
+            out[-1] = (out[-1][0], self.finish[index])
+        else:
+            out.append(({"delta": {}}, self.finish[index]))
         return out
 
     def open(self) -> list[int]:

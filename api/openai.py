@@ -4,7 +4,12 @@
     POST /v1/chat/completions  streaming (server-sent events) or not; stop, JSON output,
                                tools, log probabilities, penalties, logit_bias, n
                                (api/options.py, api/tools.py; README "The API's fields")
-    POST /v1/completions       a prompt as given, without the chat template (completions.py)
+    POST /v1/completions       prompts as given, without the chat template (completions.py)
+    POST /v1/chat/completions/batch  vLLM's batched chat: one choice per conversation
+                               (batches.py, which also answers a list of prompts)
+    POST /invocations          SageMaker's route, as vLLM's: a body with `messages` is a chat
+                               completion, one with `prompt` a completion
+    POST /tokenize, /detokenize  vLLM's token routes (tokens.py)
 
 Requests share everything with the chat UI: the engines and their presets, the admission
 line (a full line answers 429), the profile's limits (message length, max tokens,
@@ -30,10 +35,12 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from api.batches import answer_all, read_chat_batch
 from api.call import Call, refusal
 from api.completions import CompletionCall, read_completion
 from api.errors import ApiError
-from api.requests import read_body, session_key
+from api.requests import json_body, read_body, session_key
+from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
 from service.turn import Turn
@@ -69,11 +76,14 @@ class OpenAIApi:
         self.admission = admission  # an account's quota, decided as its turn is taken
         self.account_of, self.operator_key = account_of, operator_key
         self.ignore_eos = ignore_eos  # benchmarks only, as in the chat (VCHAT_BENCH_IGNORE_EOS)
-        self.router = APIRouter(prefix="/v1")
-        self.router.add_api_route("/models", self.models, methods=["GET"])
-        self.router.add_api_route("/chat/completions", self.chat_completions,
-                                  methods=["POST"])
-        self.router.add_api_route("/completions", self.completions, methods=["POST"])
+        self.router = APIRouter()
+        self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        for path, route in (("/v1/chat/completions", self.chat_completions),
+                            ("/v1/chat/completions/batch", self.chat_batch),
+                            ("/v1/completions", self.completions),
+                            ("/invocations", self.invocations),
+                            ("/tokenize", self.tokenize), ("/detokenize", self.detokenize)):
+            self.router.add_api_route(path, route, methods=["POST"])
 
     async def models(self, request: Request) -> Response:
         try:
@@ -91,8 +101,45 @@ class OpenAIApi:
         """A legacy completion (api/completions.py): a prompt as given, no chat template."""
         return await self.answer(request, read_completion, CompletionCall)
 
+    async def chat_batch(self, request: Request) -> Response:
+        """vLLM's batched chat completion (api/batches.py): one turn per conversation."""
+        return await self.answer(request, read_chat_batch, Call)
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route, as `vllm serve` routes it: by the body's shape."""
+        try:
+            await self.caller(request)
+            body = json_body(await request.body())
+        except ApiError as exc:
+            return exc.response()
+        if "messages" in body:
+            return await self.chat_completions(request)
+        if "prompt" in body:
+            return await self.completions(request)
+        return ApiError(400, "An invocation is a chat completion ('messages') or a "
+                        "completion ('prompt').").response()
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokens(request, tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokens(request, detokenize)
+
+    async def tokens(self, request: Request, work) -> Response:
+        """/tokenize or /detokenize (api/tokens.py): the model's tokenizer, no turn."""
+        try:
+            await self.caller(request)
+            raw = await request.body()
+            return JSONResponse(await off_the_loop(len(raw), work, raw, self.config,
+                                                   self.engines))
+        except ApiError as exc:
+            return exc.response()
+        except ChatError as exc:  # the engine not serving
+            return refusal(exc).response()
+
     async def answer(self, request: Request, read, call_class) -> Response:
-        """A request read by `read`, answered by a `call_class` (a Call)."""
+        """A request read by `read`, answered by a `call_class` (a Call) for each of its
+        turns (several: a list of prompts or conversations, api/batches.py)."""
         try:
             account = await self.caller(request)
             session = session_key(request)
@@ -100,27 +147,41 @@ class OpenAIApi:
             profile, asked = await off_the_loop(len(raw), read, raw, self.config)
         except ApiError as exc:
             return exc.response()
-        turn = Turn(self.engines, self.turns, profile.name,
-                    user=OPERATOR if account is None else account,
-                    message=asked["new"].content,
-                    ignore_eos=self.ignore_eos or asked["ignore_eos"],
-                    usage=self.usage, source="api", account=account, session=session)
-        call = call_class(request, profile, asked, turn)
-        try:
-            call.prompt = await off_the_loop(len(raw), call.fit)
-        except ChatError as exc:  # too long for the context, the engine not serving
-            turn.end(exc)
-            return refusal(exc).response()
-        except Exception as exc:
-            return call.failed(exc)
-        decoding = asked.get("decoding")
-        refused, turn.hold = await self.admission.refusal(
-            account, profile=profile.name, source="api", thread_id=None,
-            reserve=call.prompt.prompt_tokens + (decoding.n if decoding else 1)
-            * call.prompt.max_tokens)
-        if refused:
-            turn.end(ChatError(refused))
-            return ApiError(429, refused, "insufficient_quota", "quota_exceeded").response()
+        calls = []
+        for part in asked.get("batch") or [asked]:
+            turn = Turn(self.engines, self.turns, profile.name,
+                        user=OPERATOR if account is None else account,
+                        message=part["new"].content,
+                        ignore_eos=self.ignore_eos or part["ignore_eos"],
+                        usage=self.usage, source="api", account=account, session=session)
+            calls.append(call_class(request, profile, part, turn))
+            try:
+                calls[-1].prompt = await off_the_loop(len(raw), calls[-1].fit)
+            except ChatError as exc:  # too long for the context, the engine not serving
+                for call in calls:
+                    call.turn.end(exc)
+                return refusal(exc).response()
+            except Exception as exc:
+                for call in calls[:-1]:
+                    call.turn.end(exc)
+                return calls[-1].failed(exc)
+        # Every turn's place is taken before any runs, and a refusal gives back the places
+        # already taken: a request is admitted whole or not at all, each step decided in
+        # one (store/admission.py), so requests at the same moment cannot pass the quota.
+        for call in calls:
+            decoding = call.asked.get("decoding")
+            refused, call.turn.hold = await self.admission.refusal(
+                account, profile=profile.name, source="api", thread_id=None,
+                reserve=call.prompt.prompt_tokens + (decoding.n if decoding else 1)
+                * call.prompt.max_tokens)
+            if refused:
+                for each in calls:
+                    each.turn.end(ChatError(refused))
+                return ApiError(429, refused, "insufficient_quota",
+                                "quota_exceeded").response()
+        if len(calls) > 1:
+            return await answer_all(calls)
+        call = calls[0]
         if asked["stream"]:
             return await call.streamed(asked["include_usage"])
         return await call.whole()

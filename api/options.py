@@ -18,10 +18,12 @@ from engine.limits import Bound, bounds
 from api.errors import ApiError
 from api.tools import Tools
 
-MAX_STOPS = 4  # stop sequences in one request (OpenAI's limit)
-STOP_CHARS = 200  # characters in one stop sequence
+# `vllm serve` bounds neither; these bound what each new token is checked against.
+MAX_STOPS = 16  # stop sequences in one request
+STOP_CHARS = 2048  # characters in one stop sequence
 MAX_BIASED = 300  # tokens in one logit_bias
 BIAS_MAX = 100  # a bias, either way (OpenAI's range)
+MAX_ALLOWED = 300_000  # ids in allowed_token_ids (no vocabulary holds more)
 FORMATS = ("text", "json_object", "json_schema")
 # The numbers read as they are, within engine/limits.py's bounds: OpenAI's, then vLLM's own
 # sampling fields (which `vllm serve` takes too; Qwen's model card recommends top_k 20).
@@ -46,7 +48,20 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
     asked["stop"] = stops(body.get("stop"))
     asked["logit_bias"] = logit_bias(body.get("logit_bias"))
     asked["logprobs"] = logprobs(body, checks["top_logprobs"], profile, chat)
+    asked["allowed_token_ids"] = allowed_token_ids(body.get("allowed_token_ids"))
+    if (prompt := body.get("prompt_logprobs")) is not None:  # vLLM's own
+        within(checks["top_logprobs"], prompt, profile, "prompt_logprobs")
+        if body.get("stream") and prompt > 0:
+            raise ApiError(400, "'prompt_logprobs' are not available with 'stream': true.")
+        asked["prompt_logprobs"] = prompt
+    asked["token_ids"] = flag(body, "return_token_ids")
+    asked["tokens_as_ids"] = flag(body, "return_tokens_as_token_ids")
     schema, json_object = response_format(body.get("response_format"))
+    asked["structured_outputs"] = structured = structured_outputs(body.get("structured_outputs"))
+    if structured is not None and (schema is not None or json_object or (
+            tools is not None and tools.schema() is not None)):
+        raise ApiError(400, "'structured_outputs' cannot be combined with a JSON "
+                       "'response_format' or a 'tool_choice' that holds the reply to a schema.")
     if tools is not None:
         if tools.schema() is not None:
             if schema is not None or json_object:
@@ -83,15 +98,63 @@ def logit_bias(biases) -> tuple[tuple[int, float], ...]:
     if not isinstance(biases, dict) or len(biases) > MAX_BIASED:
         raise ApiError(400, f"'logit_bias' must be an object of at most {MAX_BIASED} "
                        "token ids with a bias each.")
-    pairs = []
-    for key, bias in biases.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10) \
-                or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                or not -BIAS_MAX <= bias <= BIAS_MAX:
-            raise ApiError(400, f"'logit_bias' maps token ids to numbers from -{BIAS_MAX} to "
-                           f"{BIAS_MAX}; {str(key)[:20]!r}: {str(bias)[:20]!r} is not one.")
-        pairs.append((int(key), float(bias)))
-    return tuple(pairs)
+    # Every bad key named, then every bad bias (as vLLM names all its bad keys at once).
+    keys = [str(key)[:20] for key in list(biases)[:MAX_BIASED]
+            if not (key.isascii() and key.isdigit() and len(key) < 10)]
+    if keys:
+        raise ApiError(400, "'logit_bias' maps token ids to biases; these keys are not "
+                       f"token ids: {keys!r}.")
+    bad = [f"{key[:20]!r}: {str(bias)[:20]!r}" for key, bias in biases.items()
+           if isinstance(bias, bool) or not isinstance(bias, (int, float))
+           or not -BIAS_MAX <= bias <= BIAS_MAX]
+    if bad:
+        raise ApiError(400, f"'logit_bias' maps token ids to numbers from -{BIAS_MAX} to "
+                       f"{BIAS_MAX}; these are not: {', '.join(bad)}.")
+    return tuple((int(key), float(bias)) for key, bias in biases.items())
+
+
+# vLLM's StructuredOutputsParams: its constraints (exactly one is given) and options.
+CONSTRAINTS = {"json": (str, dict), "regex": str, "choice": list, "grammar": str,
+               "json_object": bool, "structural_tag": str}
+STRUCTURED_OPTIONS = {"disable_any_whitespace": bool, "disable_additional_properties": bool,
+                      "whitespace_pattern": str}
+
+
+def structured_outputs(asked) -> dict | None:
+    """vLLM's `structured_outputs` checked in shape (what vLLM cannot compile is its 400)."""
+    if asked is None:
+        return None
+    kinds = {**CONSTRAINTS, **STRUCTURED_OPTIONS}
+    given = {k: v for k, v in asked.items() if v is not None} \
+        if isinstance(asked, dict) else None
+    if given is None or set(given) - set(kinds) or not all(
+            isinstance(v, kinds[k]) for k, v in given.items()) or \
+            sum(k in CONSTRAINTS for k in given) != 1 or not all(
+            isinstance(c, str) for c in given.get("choice", ())):
+        raise ApiError(400, "'structured_outputs' must be an object with one of "
+                       f"{', '.join(CONSTRAINTS)} (and optionally "
+                       f"{', '.join(STRUCTURED_OPTIONS)}).")
+    return given
+
+
+def flag(body: dict, name: str) -> bool:
+    """A true/false field (null: false)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false.")
+    return bool(value)
+
+
+def allowed_token_ids(ids) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids`: the only tokens the reply may use (an id outside the
+    vocabulary is vLLM's 400)."""
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not ids or len(ids) > MAX_ALLOWED or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ApiError(400, f"'allowed_token_ids' must be a non-empty list of at most "
+                       f"{MAX_ALLOWED:,} token ids.")
+    return tuple(ids)
 
 
 def logprobs(body: dict, bound, profile: Profile, chat: bool) -> int | None:

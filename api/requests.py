@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from api.errors import ApiError
 from api.options import read_decoding, within
@@ -21,6 +22,7 @@ from api.tools import read_tools
 from engine import ChatError, Message, Profile
 from engine.chat_format import API_ROLES
 from engine.config import Config
+from engine.decoding import Decoding
 from engine.limits import bounds, system_prompt_fits
 from service.input import check_message
 
@@ -28,13 +30,25 @@ MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_
 # The fields of a chat completion this server honours (README, "The API's fields"); any
 # other is refused by name, never silently ignored. `user` (an end user's id, for the
 # provider's abuse monitoring) is accepted and not used, as by `vllm serve`; `ignore_eos`
-# (its benchmark client sends it: every reply runs to max_tokens), `top_k`, `min_p` and
-# `repetition_penalty` are vLLM's own.
+# (its benchmark client sends it: every reply runs to max_tokens), `top_k`, `min_p`,
+# `repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`,
+# `allowed_token_ids`, `structured_outputs`, `prompt_logprobs` and the chat template's
+# options (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`) are
+# vLLM's own.
 FIELDS = frozenset((
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stream", "stream_options", "n", "stop", "presence_penalty", "frequency_penalty",
     "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls", "user", "ignore_eos", "top_k", "min_p", "repetition_penalty"))
+    "parallel_tool_calls", "user", "ignore_eos", "top_k", "min_p", "repetition_penalty",
+    "return_token_ids", "return_tokens_as_token_ids", "allowed_token_ids",
+    "structured_outputs", "prompt_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs"))
+# What a request's chat_template_kwargs may not set: the template's own arguments.
+TEMPLATE_RESERVED = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+TEMPLATE_KWARGS_CHARS = 10_000
 
 
 SESSION_HEADER = "X-Session-Id"
@@ -86,27 +100,40 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
     profile = profile_of(body, config)
     limits = profile.limits
     only_known(body, FIELDS)
-    stream, include_usage = streaming(body)
+    stream, include_usage, continuous = streaming(body)
     extras = extra_fields(body)
     tools = read_tools(body, limits.tools)
-    decoding = read_decoding(body, profile, tools)
-    history, system = messages_of(body.get("messages"), limits.message_chars)
-    try:
-        new = check_message(history[-1].content, limits.message_chars)
-    except ChatError as exc:
-        raise ApiError(400, str(exc), code="message_refused") from None
+    # Always a Decoding (the plain one where nothing more is asked): its Pieces end with
+    # their finish reason, so a stream's last chunk carries the last text and the finish
+    # together, as `vllm serve` sends it.
+    decoding = read_decoding(body, profile, tools) or Decoding()
+    if continuous:  # the usage so far in every chunk: each piece's tokens counted
+        decoding = replace(decoding, token_ids=True)
+    template = template_options(body)
+    history, system = messages_of(body.get("messages"), limits.message_chars,
+                                  answered=bool(template))
     system_prompt = "\n\n".join(m.content for m in system) or profile.system_prompt
     if not system_prompt_fits(limits, system_prompt):
         raise ApiError(400, f"The system prompt is {len(system_prompt):,} characters; "
                        f"{profile.name} takes at most {limits.system_prompt_chars:,}.")
+    if not history:  # system messages only (as `vllm serve`, the model answers them)
+        history, text = [Message("system", system_prompt)], system_prompt
+    else:
+        try:
+            text = check_message(history[-1].content, limits.message_chars).text
+        except ChatError as exc:
+            raise ApiError(400, str(exc), code="message_refused") from None
     max_tokens = given(body, "max_completion_tokens",
                        given(body, "max_tokens", profile.sampling.max_tokens))
     sampling = sampling_of(body, profile, max_tokens)
     last = history[-1]
     return profile, {"history": history[:-1],
-                     "new": Message(last.role, new.text, tool_call_id=last.tool_call_id),
+                     "new": Message(last.role, text, tool_calls=last.tool_calls,
+                                   tool_call_id=last.tool_call_id),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
                      "stream": stream, "include_usage": include_usage,
+                     "continuous_usage": continuous, "template": template,
+                     "return_token_ids": decoding.token_ids and body.get("return_token_ids"),
                      "tools": tools, "decoding": decoding, **extras, "sampling": sampling}
 
 
@@ -142,21 +169,55 @@ def extra_fields(body: dict) -> dict:
     return {"ignore_eos": ignore_eos}
 
 
-def streaming(body: dict) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage)."""
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def streaming(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, its continuous_usage_stats: usage so far in
+    every chunk, as vLLM's, only with include_usage). Stream options without `stream`
+    are refused, as by `vllm serve` (an empty object passes)."""
     stream, options = given(body, "stream", False), given(body, "stream_options", {})
     if not isinstance(stream, bool):
         raise ApiError(400, f"'stream' must be true or false, got {str(stream)[:50]!r}.")
-    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
-            not isinstance(given(options, "include_usage", False), bool):
+    if not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS) or \
+            not all(isinstance(given(options, k, False), bool) for k in STREAM_OPTIONS):
         raise ApiError(400, "'stream_options' must be an object such as "
-                       '{"include_usage": true}.')
-    return stream, given(options, "include_usage", False)
+                       '{"include_usage": true, "continuous_usage_stats": false}.')
+    if options and not stream:
+        raise ApiError(400, "'stream_options' can only be given with 'stream': true.")
+    usage = given(options, "include_usage", False)
+    return stream, usage, usage and given(options, "continuous_usage_stats", False)
 
 
-def messages_of(messages, message_chars: int) -> tuple[list[Message], list[Message]]:
+def template_options(body: dict) -> dict | None:
+    """The chat template's options a request gives (vLLM's add_generation_prompt,
+    continue_final_message, chat_template_kwargs), or None for the defaults."""
+    generation = given(body, "add_generation_prompt", True)
+    final = given(body, "continue_final_message", False)
+    kwargs = given(body, "chat_template_kwargs", {})
+    if not isinstance(generation, bool) or not isinstance(final, bool):
+        raise ApiError(400, "'add_generation_prompt' and 'continue_final_message' must be "
+                       "true or false.")
+    if generation and final:
+        raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false "
+                       "(they cannot both be true).")
+    if not isinstance(kwargs, dict) or set(kwargs) & TEMPLATE_RESERVED or not all(
+            isinstance(k, str) and k.isidentifier() for k in kwargs) or \
+            len(json.dumps(kwargs)) > TEMPLATE_KWARGS_CHARS:
+        raise ApiError(400, "'chat_template_kwargs' must be an object of the template's own "
+                       f"variables (not {', '.join(sorted(TEMPLATE_RESERVED))}), at most "
+                       f"{TEMPLATE_KWARGS_CHARS:,} characters as JSON.")
+    if generation and not final and not kwargs:
+        return None
+    return {**kwargs, "add_generation_prompt": generation, "continue_final_message": final}
+
+
+def messages_of(messages, message_chars: int, answered: bool = False
+                ) -> tuple[list[Message], list[Message]]:
     """(the conversation, the system messages): each message within the profile's
-    `limits.message_chars`, as a chat message is, at most MAX_MESSAGES of them."""
+    `limits.message_chars`, as a chat message is, at most MAX_MESSAGES of them.
+    `answered`: the template's options are given, and the last message may be the
+    assistant's (continued, or a prompt without the generation prompt)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list.")
     if len(messages) > MAX_MESSAGES:
@@ -181,7 +242,8 @@ def messages_of(messages, message_chars: int) -> tuple[list[Message], list[Messa
                            "characters.")
         (system if role == "system" else history).append(
             Message(role, text, tool_calls=calls, tool_call_id=call_id or ""))
-    if not history or history[-1].role not in ("user", "tool"):
+    if history and history[-1].role not in ("user", "tool") + (
+            ("assistant",) if answered else ()):
         raise ApiError(400, "The last message must be the user's (or a tool's result).")
     return history, system
 

@@ -7,9 +7,11 @@ model is held to for each `tool_choice`, and each reply read back as tool calls.
   `tool_calls` (finish_reason "tool_calls"); text before the first call is the content.
   Streamed, text is sent as it comes, except what could be the start of a call.
 - "required": the reply is held (vLLM's structured outputs) to a JSON list of one or more
-  calls, each naming a tool with arguments that follow its parameters' schema.
+  calls, each naming a tool with arguments that follow its parameters' schema (their
+  `$defs` moved to the root, where their references point, as vLLM's).
 - {"type": "function", "function": {"name": ...}}: the reply is held to that function's
   parameters' schema and is the call's arguments (finish_reason "stop", as OpenAI's).
+  For both, a reply cut short (max_tokens) is no call and no content, as vLLM answers.
 - "none" (the default without tools): the tools are described, nothing is read back.
 
 Role "tool" messages carry results back; an assistant message's `tool_calls` are given to
@@ -46,11 +48,23 @@ class Tools:
             return params[self.name]
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                   "parameters": schema},
-                  "required": ["name", "parameters"]} for name, schema in params.items()]
+        defs, calls = {}, []
+        for name, schema in params.items():
+            schema = dict(schema)
+            found = schema.pop("$defs", {})
+            if not isinstance(found, dict):
+                raise ApiError(400, f"The '$defs' of tool '{name}' must be an object.")
+            for key, value in found.items():
+                if defs.setdefault(key, value) != value:
+                    raise ApiError(400, f"Tools define '$defs/{key}' differently; give "
+                                   "each definition one schema.")
+            calls.append({"type": "object", "properties": {
+                "name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"]})
+        # Each tool's "#/$defs/..." references point at the root of the schema the reply is
+        # held to: its definitions go there (as vLLM's _get_json_schema_from_tools).
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                "items": {"anyOf": calls}}
+                "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
 
     @property
     def reads_calls(self) -> bool:
@@ -152,9 +166,10 @@ class CallReader:
         """(content not yet sent, the calls read); a reply that does not read as calls is
         all content."""
         rest = self.text[self.sent:]
-        if self.tools.choice == "named":
-            return "", [call(self.tools.name, self.text)]
         try:
+            if self.tools.choice == "named":
+                json.loads(self.text)  # a reply cut short (max_tokens) is no call, as vLLM's
+                return "", [call(self.tools.name, self.text)]
             if self.tools.choice == "required":
                 calls = [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                          for c in json.loads(self.text)]
@@ -165,7 +180,9 @@ class CallReader:
             else:
                 return rest, []
         except (ValueError, TypeError, KeyError):
-            return rest, []
+            # A held reply that does not read (cut short by max_tokens) gives neither calls
+            # nor its broken JSON as content, as vLLM answers.
+            return ("", []) if self.tools.choice in ("named", "required") else (rest, [])
         if not self.tools.parallel:
             calls = calls[:1]
         content = rest[:rest.find(OPEN)] if self.in_call else ""

@@ -301,10 +301,14 @@ class Guard:
         return await chainlit_server.get_shared_thread(None, thread_id, current_user)
 
 
+API_PATHS = ("/v1/", "/invocations", "/tokenize", "/detokenize")  # api/openai.py's routes
+
+
 class BodyLimit:
     """ASGI middleware: a request body over its route's limit is answered 413 before the
     route reads it (by Content-Length, or counted as it arrives), in the API's error shape
-    under /v1 and Chainlit's ({"detail"}) elsewhere. The Socket.IO mount bounds its own."""
+    on the API's routes and Chainlit's ({"detail"}) elsewhere. The Socket.IO mount bounds
+    its own."""
 
     def __init__(self, app, api_bytes: int, socket_path: str):
         self.app, self.api_bytes, self.socket_path = app, api_bytes, socket_path
@@ -312,7 +316,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"].startswith(self.socket_path):
             return await self.app(scope, receive, send)
-        api = scope["path"].startswith("/v1/")
+        api = scope["path"].startswith(API_PATHS)
         limit = self.api_bytes if api else OTHER_BODY_BYTES
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

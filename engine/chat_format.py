@@ -86,13 +86,15 @@ class ChatFormatter:
             msgs.insert(0, system)
         return msgs
 
-    def assemble(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
-                 ) -> tuple[list[int], list[int]]:
+    def assemble(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None,
+                 template: dict | None = None) -> tuple[list[int], list[int]]:
         """The prompt's token ids (the template's piece before each message, the message;
         last the generation prompt), and where each message's part ends in them. `tools`:
-        functions the model may call, in OpenAI's shape, for the template to describe."""
+        functions the model may call, in OpenAI's shape, for the template to describe;
+        `template`: what else the template is rendered with (an API request's
+        add_generation_prompt, continue_final_message, chat_template_kwargs)."""
         ids, ends = [], []
-        pieces = self._pieces(msgs, tools)
+        pieces = self._pieces(msgs, tools, template)
         for piece, msg in zip(pieces, msgs):
             ids += piece
             ids += self.content_ids(msg)
@@ -116,18 +118,18 @@ class ChatFormatter:
 
     # -- the template's own pieces -----------------------------------------------------
 
-    def _pieces(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
-                ) -> list[list[int]]:
+    def _pieces(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None,
+                template: dict | None = None) -> list[list[int]]:
         """The template's pieces, as ids, before each message and after the last."""
-        if tools is None and not any(m.tool_calls for m in msgs):
+        if tools is None and not template and not any(m.tool_calls for m in msgs):
             roles = [START] + [m.role for m in msgs] + [END]
             pairs = list(zip(roles, roles[1:]))
             if self.glue is not None and all(pair in self.glue for pair in pairs):
                 return [self._glue_ids[pair] for pair in pairs]
-        return [self._template_ids(piece) for piece in self._render(msgs, tools)]
+        return [self._template_ids(piece) for piece in self._render(msgs, tools, template)]
 
-    def _render(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None
-                ) -> list[str]:
+    def _render(self, msgs: Sequence[Message], tools: Sequence[dict] | None = None,
+                template: dict | None = None) -> list[str]:
         """Render the template with a placeholder for each message's text (an empty text
         stays empty: templates test for it) and split it at them: the pieces before each
         message and after the last (a piece before an empty message is "", its part of
@@ -142,9 +144,19 @@ class ChatFormatter:
             if m.tool_call_id:
                 item["tool_call_id"] = self._plain(m.tool_call_id, "a tool_call_id")
             conversation.append(item)
-        rendered = self.tokenizer.apply_chat_template(
-            conversation, tools=None if tools is None else self._plain(tools, "the tools"),
-            tokenize=False, add_generation_prompt=True)
+        options = {"add_generation_prompt": True,
+                   **(self._plain(template, "chat_template_kwargs") if template else {})}
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                conversation, tools=None if tools is None else self._plain(tools, "the tools"),
+                tokenize=False, **options)
+        except Exception as exc:
+            if not template:
+                raise
+            # An API request's options the template cannot take (vLLM's 400 too)
+            text = str(exc).strip().splitlines()
+            raise ChatError("The model's chat template cannot be rendered as asked: "
+                            f"{text[0][:300] if text else type(exc).__name__}") from None
         parts = self._mark.split(rendered)  # text, number, text, number, ..., text
         if [int(n) for n in parts[1::2]] != marked:
             raise ChatError("The model's chat template reorders or drops messages; this "

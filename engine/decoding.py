@@ -30,10 +30,19 @@ class Decoding:
     json_schema: dict | None = field(default=None, hash=False)  # the reply follows it
     json_object: bool = False  # the reply is a JSON object
     special_tokens: bool = False  # kept in the text (Qwen's tool-call markers are special)
+    token_ids: bool = False  # each Piece carries its token ids (the API's usage so far)
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's own: the reply uses only these
+    tokens_as_ids: bool = False  # log probabilities' tokens as "token_id:N" (vLLM's own)
+    prompt_logprobs: int | None = None  # vLLM's own: alternatives per prompt token; None: no
+    # vLLM's own structured outputs as asked (StructuredOutputsParams' fields: json, regex,
+    # choice, grammar...), in place of json_schema / json_object
+    structured_outputs: dict | None = field(default=None, hash=False)
 
     def structured(self) -> dict | None:
         """vLLM's structured outputs for the reply's form (StructuredOutputsParams'
         fields), or None for free text."""
+        if self.structured_outputs is not None:
+            return dict(self.structured_outputs)
         if self.json_schema is not None:
             return {"json": self.json_schema}
         if self.json_object:
@@ -52,6 +61,8 @@ class Decoding:
                 "top_k": self.top_k, "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty,
                 "skip_special_tokens": not self.special_tokens,
+                "allowed_token_ids": list(self.allowed_token_ids) or None,
+                "prompt_logprobs": self.prompt_logprobs,
                 "structured_outputs": StructuredOutputsParams(**structured)
                 if structured else None}
 
@@ -62,6 +73,12 @@ class Decoding:
                  "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
         if (structured := self.structured()) is not None:
             extra["structured_outputs"] = structured
+        if self.token_ids:
+            extra["return_token_ids"] = True
+        if self.allowed_token_ids:
+            extra["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.tokens_as_ids:
+            extra["return_tokens_as_token_ids"] = True
         return {"n": self.n, "stop": list(self.stop) or None,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty,
@@ -84,26 +101,48 @@ class Piece:
     text: str
     logprobs: tuple[TokenLogprob, ...] | None = None  # where asked: one per token of `text`
     finish_reason: str | None = None  # on the choice's last piece
+    token_ids: tuple[int, ...] | None = None  # the tokens of `text`, where the engine says
+    # The prompt's log probabilities where asked (a first, empty Piece holds them), in
+    # vLLM's JSON shape: per prompt token None or {"id": {"logprob", "rank", "decoded_token"}}
+    prompt_logprobs: list | None = field(default=None, hash=False, compare=False)
 
 
-def piece_of(completion, top: int | None) -> Piece:
+def piece_of(completion, top: int | None, as_ids: bool = False) -> Piece:
     """A Piece from one of vLLM's CompletionOutputs (a delta), with `top` alternatives per
-    token where log probabilities were asked for."""
+    token where log probabilities were asked for (`as_ids`: each token as "token_id:N")."""
     logprobs = None
     if top is not None and completion.logprobs is not None:
-        logprobs = tuple(token_logprob(token_id, alternatives, top) for token_id, alternatives
+        logprobs = tuple(token_logprob(token_id, alternatives, top, as_ids)
+                         for token_id, alternatives
                          in zip(completion.token_ids, completion.logprobs))
     finish = completion.finish_reason if completion.finished() else None
-    return Piece(completion.index, completion.text, logprobs, finish)
+    return Piece(completion.index, completion.text, logprobs, finish,
+                 tuple(completion.token_ids))
 
 
-def token_logprob(token_id: int, alternatives: dict, top: int) -> TokenLogprob:
-    """vLLM's {token id: Logprob} at one place (the chosen token and the `top` likeliest)."""
+def prompt_logprobs_of(logprobs) -> list | None:
+    """vLLM's prompt log probabilities (per token None or {id: Logprob}) in its server's
+    JSON shape, -inf as -9999.0 (as its server clamps them)."""
+    if logprobs is None:
+        return None
+    return [None if place is None else {
+        str(i): {"logprob": max(p.logprob, -9999.0), "rank": p.rank,
+                 "decoded_token": p.decoded_token} for i, p in place.items()}
+        for place in logprobs]
+
+
+def token_logprob(token_id: int, alternatives: dict, top: int, as_ids: bool = False
+                  ) -> TokenLogprob:
+    """vLLM's {token id: Logprob} at one place (the chosen token and the `top` likeliest;
+    `as_ids`: each token named "token_id:N", as vLLM's return_tokens_as_token_ids)."""
+    def name(i: int, p) -> str:
+        return f"token_id:{i}" if as_ids else p.decoded_token or ""
+
     chosen = alternatives[token_id]
-    ranked = sorted((p for p in alternatives.values() if p.rank is not None and p.rank <= top),
-                    key=lambda p: p.rank)
-    return TokenLogprob(chosen.decoded_token or "", chosen.logprob,
-                        tuple((p.decoded_token or "", p.logprob) for p in ranked))
+    ranked = sorted(((i, p) for i, p in alternatives.items()
+                     if p.rank is not None and p.rank <= top), key=lambda ip: ip[1].rank)
+    return TokenLogprob(name(token_id, chosen), chosen.logprob,
+                        tuple((name(i, p), p.logprob) for i, p in ranked))
 
 
 def remote_logprobs(logprobs, top: int) -> tuple[TokenLogprob, ...] | None:

@@ -55,6 +55,7 @@ def fit_history(
     max_model_len: int,
     max_tokens: int,
     tools: Sequence[dict] | None = None,
+    template: dict | None = None,
 ) -> Prompt:
     """Keep the newest turns that fit the context with the new message (module docstring)."""
     reserve = min(max_tokens, max_model_len // 2)
@@ -65,7 +66,7 @@ def fit_history(
     while True:
         kept = history[starts[drop]:] + [new] if drop < len(starts) else [new]
         messages = formatter.with_system(kept, system_prompt)
-        ids, ends = formatter.assemble(messages, tools)
+        ids, ends = formatter.assemble(messages, tools, template)
         if len(ids) <= budget:
             break
         if drop == len(starts):

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from .base import Engine
 from .chat_format import ChatFormatter
 from .cores import link_of, vllm_config_of
-from .decoding import Decoding, Piece, piece_of
+from .decoding import Decoding, Piece, piece_of, prompt_logprobs_of
 from .errors import ChatError, Unavailable
 from .history import Prompt, check_fits
 from .launch import EngineSetup, process_env
@@ -235,8 +235,11 @@ class PresetEngine(Engine):
                 if output.finished:
                     finish, done = completion.finish_reason or "stop", True
                 if decoding is not None:  # every choice's delta, as a Piece
+                    if getattr(output, "prompt_logprobs", None):  # in its first outputs
+                        yield Piece(0, "", prompt_logprobs=prompt_logprobs_of(
+                            output.prompt_logprobs))
                     for choice in output.outputs:
-                        yield piece_of(choice, top)
+                        yield piece_of(choice, top, decoding.tokens_as_ids)
                 elif completion.text:
                     yield completion.text
         except refused as exc:  # refused as it was added (a schema vLLM cannot compile)

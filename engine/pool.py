@@ -303,14 +303,15 @@ class Engines:
                 if engine.metrics is not None}
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
-            system_prompt: str, max_tokens: int, tools: Sequence[dict] | None = None
-            ) -> Prompt:
+            system_prompt: str, max_tokens: int, tools: Sequence[dict] | None = None,
+            template: dict | None = None) -> Prompt:
         """Fit a conversation to the context of the profile's engine (see history.py), with
-        the `tools` it may call described by the model's template."""
+        the `tools` it may call described by the model's template (rendered with
+        `template`'s options, an API request's)."""
         engine = self.for_profile(profile)
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
                            max_model_len=engine.max_model_len, max_tokens=max_tokens,
-                           tools=tools)
+                           tools=tools, template=template)
 
     def refusal_alone(self, profile: str, new_message: Message, *, system_prompt: str,
                       max_tokens: int) -> str | None:

@@ -231,6 +231,10 @@ class RemoteEngine(Engine):
         if client is None:
             raise self.not_running()
         check_fits(prompt, self.max_model_len)
+        if decoding is not None and decoding.prompt_logprobs is not None:
+            # The server is asked for a stream, and vLLM gives prompt_logprobs in none.
+            raise ChatError("This model runs on a remote server, which cannot return "
+                            "'prompt_logprobs'; leave it out.")
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, pieces, usage, finish, stream, done = None, 0, None, "abort", None, False
@@ -256,8 +260,10 @@ class RemoteEngine(Engine):
                     if choice.finish_reason and choice.index == 0:
                         finish = choice.finish_reason
                     if decoding is not None and (choice.text or choice.finish_reason):
+                        ids = getattr(choice, "token_ids", None)  # return_token_ids
                         yield Piece(choice.index, choice.text, remote_logprobs(
-                            choice.logprobs, decoding.logprobs or 0), choice.finish_reason)
+                            choice.logprobs, decoding.logprobs or 0), choice.finish_reason,
+                            None if ids is None else tuple(ids))
                     elif choice.text:
                         yield choice.text
             done = True

@@ -15,6 +15,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from .base import Engine
 from .chat_format import ChatFormatter
@@ -79,7 +80,7 @@ class StandInEngine(Engine):
         more of the decoding (stop strings, JSON, log probabilities...) is refused."""
         if not self.running:
             raise self.not_running()
-        if decoding is not None:
+        if decoding is not None and replace(decoding, token_ids=False) != Decoding():
             raise ChatError("The stand-in engine (benchmarks) writes filler text only; it "
                             "cannot honour stop, penalties, JSON, tools, n or logprobs.")
         check_fits(prompt, self.max_model_len)
@@ -94,7 +95,10 @@ class StandInEngine(Engine):
                 if due <= sent:  # sleep until the next step makes tokens
                     await asyncio.sleep(started + (steps + 1) * self.step_s - time.monotonic())
                     continue
-                yield "".join(" " + WORDS[i % len(WORDS)] for i in range(sent, due))
+                text = "".join(" " + WORDS[i % len(WORDS)] for i in range(sent, due))
+                # With the plain Decoding (the API asks it): Pieces, the last one finished.
+                yield text if decoding is None else Piece(
+                    0, text, None, "length" if due == max_tokens else None)
                 sent = due
                 if ttft is None:
                     ttft = time.monotonic() - started

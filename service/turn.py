@@ -86,11 +86,13 @@ class Turn:
         metrics.begin(profile)
 
     def fit(self, history: Sequence[Message], new: Message, *, system_prompt: str,
-            max_tokens: int, tools: Sequence[dict] | None = None) -> Prompt:
-        """The conversation fitted to the engine's context (engine/history.py)."""
+            max_tokens: int, tools: Sequence[dict] | None = None,
+            template: dict | None = None) -> Prompt:
+        """The conversation fitted to the engine's context (engine/history.py); `template`:
+        the chat template's options an API request gives."""
         self.prompt = self.engines.fit(self.profile, history, new,
                                        system_prompt=system_prompt, max_tokens=max_tokens,
-                                       tools=tools)
+                                       tools=tools, template=template)
         return self.prompt
 
     def take_prompt(self, prompt: str | list[int], max_tokens: int) -> Prompt:

@@ -1,0 +1,254 @@
+"""Chat completions answered as `vllm serve` answers them (issue 54), on a real `chainlit run
+app.py` with the embedded model: stream_options' rules and continuous usage, the last
+streamed chunk carrying the last text with its finish reason, vLLM's own keys in a whole
+reply, a conversation of system messages only, and every bad logit_bias key named.
+
+    .venv/bin/python -m pytest -q tests/test_api_vllm_fields.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from api.choices import Choices
+from engine.decoding import Piece
+from tools.chainlit_client import serving
+
+KEY = "operator-key-for-vllm-field-tests-01"
+MODEL = "Throughput-first"
+
+
+@pytest.fixture(scope="module")
+async def server():
+    async with serving({"VCHAT_API_KEY": KEY}) as srv:
+        yield srv
+
+
+def api(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+async def post(server, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(server.url + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+
+
+def test_the_last_piece_and_its_finish_make_one_chunk():
+    choices = Choices(1)
+    first = choices.take(Piece(0, "Hello"))
+    assert choices.deltas(first, False) == [({"delta": {"content": "Hello"}, "logprobs": None},
+                                             None)]
+    last = choices.take(Piece(0, " world", None, "length", (1, 2)))
+    assert choices.deltas(last, False) == [
+        ({"delta": {"content": " world"}, "logprobs": None}, "length")]
+    assert choices.tokens == [3]  # a piece without its ids counts one token
+    empty = Choices(1)
+    assert empty.deltas(empty.take(Piece(0, "", None, "stop")), False) == [
+        ({"delta": {}}, "stop")]
+
+
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": None},
+                                     {"continuous_usage_stats": True}])
+async def test_stream_options_without_a_stream_are_refused(server, options):
+    with pytest.raises(openai.BadRequestError) as refused:
+        await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=3, stream=False,
+            stream_options=options)
+    assert "'stream_options'" in refused.value.body["message"]
+
+
+async def test_continuous_usage_puts_the_usage_so_far_in_every_chunk(server):
+    stream = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Count from one to twenty."), max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [chunk async for chunk in stream]
+    last = 0
+    for chunk in chunks:
+        usage = chunk.usage
+        assert usage is not None and usage.prompt_tokens > 0
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert last == 0 or usage.completion_tokens > last or (
+            not chunk.choices and usage.completion_tokens == last)
+        last = usage.completion_tokens
+    assert chunks[0].usage.completion_tokens == 0 and chunks[-1].choices == []
+    assert last == chunks[-1].usage.completion_tokens == 8
+
+
+async def test_continuous_usage_needs_include_usage(server):
+    stream = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Hi"), max_tokens=4, temperature=0, stream=True,
+        stream_options={"continuous_usage_stats": True})
+    assert all([chunk.usage is None async for chunk in stream])
+
+
+async def test_the_last_chunk_carries_the_last_text_with_its_finish(server):
+    stream = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Tell me a long story about a cat."), max_tokens=6,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finished) == 1 and finished[0].choices[0].finish_reason == "length"
+    assert finished[0].choices[0].delta.content  # not an empty delta of its own
+    assert chunks.index(finished[0]) == len(chunks) - 2  # then the usage chunk
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+async def test_a_whole_reply_has_vllms_own_keys(server):
+    reply = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 3})
+    body = reply.json()
+    assert reply.status_code == 200, body
+    assert "prompt_logprobs" in body and body["prompt_logprobs"] is None
+    assert "prompt_token_ids" in body and body["prompt_token_ids"] is None
+
+
+async def test_system_messages_alone_are_answered(server):
+    reply = await api(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Say hello to the user."}],
+        max_tokens=5, temperature=0)
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 5
+    # and streamed
+    stream = await api(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Say hello."}], max_tokens=3,
+        temperature=0, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text
+
+
+async def test_every_bad_logit_bias_key_is_named(server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=3,
+            logit_bias={"bad1": 50.0, "bad2": 20.0, "7": 1.0})
+    message = refused.value.body["message"]
+    assert "bad1" in message and "bad2" in message and "logit_bias" in message
+    with pytest.raises(openai.BadRequestError) as refused:
+        await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=3, logit_bias={"1": "not_a_number"})
+    assert "logit_bias" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:  # outside the vocabulary
+        await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=3, logit_bias={"99999999": 1.0})
+    assert "99999999" in refused.value.body["message"]
+    assert "logit_bias" in json.dumps(refused.value.body)
+
+
+# -- vLLM's own token fields ----------------------------------------------------------------
+
+async def test_return_token_ids_gives_the_prompts_and_each_replys_ids(server):
+    body = {"model": MODEL, "messages": ask("Name three colours."), "max_tokens": 6,
+            "temperature": 0, "return_token_ids": True}
+    whole = (await post(server, body)).json()
+    prompt, ids = whole["prompt_token_ids"], whole["choices"][0]["token_ids"]
+    assert len(prompt) == whole["usage"]["prompt_tokens"] and all(
+        isinstance(i, int) for i in prompt)
+    assert len(ids) == whole["usage"]["completion_tokens"] == 6
+    stream = await api(server).chat.completions.create(
+        **{k: v for k, v in body.items() if k != "return_token_ids"}, stream=True,
+        extra_body={"return_token_ids": True})
+    chunks = [chunk.model_dump() async for chunk in stream]
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == ids
+
+
+async def test_return_tokens_as_token_ids_names_each_token_by_its_id(server):
+    reply = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Hi"), max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                    "return_token_ids": True})
+    content = reply.choices[0].logprobs.content
+    assert [t.token for t in content] == [f"token_id:{i}" for i in
+                                         reply.model_dump()["choices"][0]["token_ids"]]
+    assert all(alt.token.startswith("token_id:") for t in content for alt in t.top_logprobs)
+
+
+async def test_allowed_token_ids_hold_the_reply_to_them(server):
+    first = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 1,
+                                 "temperature": 0, "return_token_ids": True})).json()
+    allowed = [first["choices"][0]["token_ids"][0] + 1]
+    reply = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 4,
+                                 "temperature": 0, "return_token_ids": True,
+                                 "allowed_token_ids": allowed})).json()
+    assert reply["choices"][0]["token_ids"] == allowed * 4
+    for bad in ([99999999], [], ["7"]):
+        refused = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2,
+                                      "allowed_token_ids": bad})
+        assert refused.status_code == 400 and "allowed_token_ids" in refused.text or \
+            "99999999" in refused.text
+
+
+async def test_structured_outputs_hold_the_reply_to_a_choice_or_a_regex(server):
+    colours = ["red", "green", "blue"]
+    reply = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Your favourite colour?"), max_tokens=10, temperature=0.7,
+        extra_body={"structured_outputs": {"choice": colours}})
+    assert reply.choices[0].message.content in colours
+    reply = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("A number?"), max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert len(reply.choices[0].message.content) == 3
+    assert reply.choices[0].message.content.isdigit()
+    for bad in ({"choice": ["a"], "regex": "x"}, {"nonsense": 1},
+                {"json": {"type": "nonsense"}}):
+        with pytest.raises(openai.BadRequestError):
+            await api(server).chat.completions.create(
+                model=MODEL, messages=ask("Hi"), max_tokens=3,
+                extra_body={"structured_outputs": bad})
+    with pytest.raises(openai.BadRequestError) as refused:
+        await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hi"), max_tokens=3,
+            response_format={"type": "json_object"},
+            extra_body={"structured_outputs": {"regex": "a"}})
+    assert "cannot be combined" in refused.value.body["message"]
+
+
+async def test_prompt_logprobs_come_with_a_whole_reply(server):
+    reply = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2,
+                                 "prompt_logprobs": 1, "return_token_ids": True})).json()
+    places, ids = reply["prompt_logprobs"], reply["prompt_token_ids"]
+    assert len(places) == len(ids) == reply["usage"]["prompt_tokens"] and places[0] is None
+    for place, token in zip(places[1:], ids[1:]):
+        assert str(token) in place and all(
+            {"logprob", "rank", "decoded_token"} <= set(p) for p in place.values())
+    streamed = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2,
+                                   "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.text
+    too_many = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2,
+                                   "prompt_logprobs": 21})
+    assert too_many.status_code == 400 and "prompt_logprobs" in too_many.text
+
+
+async def test_the_chat_templates_options_shape_the_prompt(server):
+    talk = [{"role": "user", "content": "Count to ten."},
+            {"role": "assistant", "content": "One, two, three,"}]
+
+    async def prompt_of(**options) -> list[int]:
+        reply = await post(server, {"model": MODEL, "messages": talk, "max_tokens": 3,
+                                    "temperature": 0, "return_token_ids": True, **options})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["prompt_token_ids"]
+
+    continued = await prompt_of(add_generation_prompt=False, continue_final_message=True)
+    closed = await prompt_of(add_generation_prompt=False)
+    # the assistant's message left open: no end of turn after it
+    assert closed[:len(continued)] == continued and len(closed) > len(continued)
+    plain = (await post(server, {"model": MODEL, "messages": talk[:1], "max_tokens": 2,
+                                 "return_token_ids": True})).json()["prompt_token_ids"]
+    kwargs = (await post(server, {"model": MODEL, "messages": talk[:1], "max_tokens": 2,
+                                  "return_token_ids": True, "chat_template_kwargs": {
+                                      "enable_thinking": False}})).json()
+    assert kwargs["prompt_token_ids"][:len(plain) - 1] == plain[:-1]
+    for bad in ({"add_generation_prompt": True, "continue_final_message": True},
+                {"chat_template_kwargs": {"tools": []}},
+                {"chat_template_kwargs": {"x": "<|im_end|>"}}):
+        refused = await post(server, {"model": MODEL, "messages": talk[:1], "max_tokens": 2,
+                                      **bad})
+        assert refused.status_code == 400, (bad, refused.text)

@@ -1,0 +1,176 @@
+"""Issue 54: what `vllm serve` accepts, a real `chainlit run app.py` accepts and answers as
+vLLM does (vLLM 0.32's own OpenAI-server tests failed on these): tools whose parameters use
+`$defs`, a held tool call cut short, /v1/completions' `logprobs: 0`, lists of prompts and
+`echo`, the batched chat, /invocations, /tokenize and /detokenize, long stop strings.
+
+    .venv/bin/python -m pytest tests/test_api_vllm_routes.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tools.chainlit_client import serving
+
+KEY = "operator-key-for-vllm-routes-0123456789"
+MODEL = "Latency-first"
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"},
+                       "options": {"$ref": "#/$defs/WeatherOptions"}},
+        "required": ["city", "options"],
+        "$defs": {"WeatherOptions": {
+            "type": "object", "properties": {"unit": {"type": "string",
+                                                      "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"]}}}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+@pytest.fixture(scope="module")
+async def server():
+    async with serving({"VCHAT_API_KEY": KEY}) as srv:
+        yield srv
+
+
+async def post(server, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=300) as client:
+        return await client.post(server.url + path, json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+
+
+async def ok(server, path: str, body: dict) -> dict:
+    response = await post(server, path, body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_required_tool_calls_keep_the_parameters_defs(server):
+    """The schema for "required" lost each tool's `$defs`: 400 "Pointer '/$defs/
+    WeatherOptions' does not exist"."""
+    reply = await ok(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER],
+        "tool_choice": "required", "max_tokens": 200, "temperature": 0})
+    calls = reply["choices"][0]["message"]["tool_calls"]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
+    arguments = json.loads(calls[0]["function"]["arguments"])
+    assert arguments["options"]["unit"] in ("celsius", "fahrenheit")
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_a_held_tool_call_cut_short_is_no_call(server, choice):
+    """A named tool's reply cut off by max_completion_tokens came back as a call whose
+    arguments were '{'; vLLM answers finish "length", no tool calls, empty content."""
+    reply = await ok(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": choice,
+        "max_completion_tokens": 1, "temperature": 0})
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert not choice["message"].get("tool_calls")
+    assert not choice["message"]["content"]
+
+
+async def test_completion_logprobs_0_give_the_sampled_tokens_logprob(server):
+    """`logprobs: 0` gave empty alternatives; vLLM gives the sampled token's alone."""
+    reply = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
+        "temperature": 0, "logprobs": 0})
+    logprobs = reply["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 4
+    assert logprobs["top_logprobs"] == [{token: logprob} for token, logprob in
+                                        zip(logprobs["tokens"], logprobs["token_logprobs"])]
+    two = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
+        "temperature": 0, "logprobs": 2})
+    for token, top in zip(two["choices"][0]["logprobs"]["tokens"],
+                          two["choices"][0]["logprobs"]["top_logprobs"]):
+        assert next(iter(top)) == token and 1 <= len(top) <= 3
+
+
+async def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(server):
+    """A list of prompts was refused; vLLM answers each, choice i for prompt i."""
+    prompts = ["One, two, three,", "Monday, Tuesday,"]
+    singles = [await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": p, "max_tokens": 4, "temperature": 0}) for p in prompts]
+    both = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0})
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    assert [c["text"] for c in both["choices"]] == \
+        [s["choices"][0]["text"] for s in singles]
+    assert both["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert both["usage"]["completion_tokens"] == 8
+    tokens = (await ok(server, "/tokenize", {"model": MODEL, "prompt": prompts[0]}))["tokens"]
+    ids = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": [tokens, tokens], "max_tokens": 4, "temperature": 0})
+    assert [c["text"] for c in ids["choices"]] == [singles[0]["choices"][0]["text"]] * 2
+
+
+async def test_echo_puts_the_prompt_before_the_completion(server):
+    """`echo` was refused; vLLM echoes the prompt before the reply, streamed too."""
+    prompt = "One, two, three,"
+    plain = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    echoed = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
+    assert echoed["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    async with httpx.AsyncClient(timeout=300) as client:
+        async with client.stream("POST", server.url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "echo": True, "stream": True},
+                headers={"Authorization": f"Bearer {KEY}"}) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[6:]) async for line in response.aiter_lines()
+                      if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == echoed["choices"][0]["text"]
+
+
+async def test_the_batched_chat_answers_each_conversation(server):
+    """/v1/chat/completions/batch was missing: vLLM 0.32's batched chat."""
+    reply = await ok(server, "/v1/chat/completions/batch", {
+        "model": MODEL, "max_tokens": 8, "temperature": 0, "messages": [
+            [{"role": "user", "content": "Reply with exactly the word: alpha"}],
+            [{"role": "user", "content": "Reply with exactly the word: beta"}]]})
+    assert reply["object"] == "chat.completion"
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert all(c["message"]["content"] for c in reply["choices"])
+    assert reply["usage"]["completion_tokens"] <= 16
+    refused = await post(server, "/v1/chat/completions/batch", {
+        "model": MODEL, "stream": True, "messages": [ASK_WEATHER]})
+    assert refused.status_code == 400 and "stream" in refused.json()["error"]["message"]
+
+
+async def test_invocations_routes_by_the_bodys_shape(server):
+    """/invocations was missing: vLLM routes it to chat completions or completions."""
+    chat = await ok(server, "/invocations", {
+        "model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4})
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
+    text = await ok(server, "/invocations", {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+    assert text["object"] == "text_completion" and text["choices"][0]["text"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert (await client.post(server.url + "/invocations", json={
+            "model": MODEL, "prompt": "Hi"})).status_code == 401
+
+
+async def test_tokenize_and_detokenize_as_vllm(server):
+    tokenized = await ok(server, "/tokenize", {"model": MODEL, "prompt": "Hello world",
+                                               "return_token_strs": True})
+    assert set(tokenized) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"]) > 0
+    assert (await ok(server, "/detokenize", {"model": MODEL, "tokens": tokenized["tokens"]})
+            ) == {"prompt": "Hello world"}
+    chat = await ok(server, "/tokenize", {"messages": ASK_WEATHER})  # model left out
+    assert chat["count"] > tokenized["count"] and chat["token_strs"] is None
+
+
+async def test_long_stop_strings_are_taken(server):
+    """Stop strings over 200 characters were refused; `vllm serve` has no such limit."""
+    reply = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": "Hi", "max_tokens": 4,
+        "stop": ["x" * 1000, "y" * 300, "z", "w", "v", "u"]})
+    assert reply["choices"][0]["finish_reason"] in ("stop", "length")

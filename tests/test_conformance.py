@@ -1,0 +1,59 @@
+"""A fast subset of vLLM 0.32.0's own OpenAI-server tests (issue 54) against one app: the
+ones that pass on vLLM's own server with the embedded model and matter most to clients
+(streaming, usage, logprobs, completions, token ids). `make conformance` runs all 12 files
+(tools/conformance.py); this runs SUBSET in one pytest of vLLM's tree against one app
+started here, and reports each of those tests as its own test.
+
+The files come from vLLM's source package on PyPI (`make test` fetches them into
+.cache/vllm-tests first); only where they could not be fetched are these skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from tools import conformance
+from tools.chainlit_client import serving
+
+KEY = "conformance-key-for-tests-0123456789"
+
+# Test ids relative to vLLM's tests/entrypoints/openai/ (each passes on vLLM's own server
+# with the embedded model: bench/results/conformance-vllm-cpu.json).
+SUBSET: list[str] = [
+    "chat_completion/test_chat.py::test_no_logprobs_chat[HuggingFaceH4/zephyr-7b-beta]",
+    "chat_completion/test_chat.py::test_some_logprobs_chat[HuggingFaceH4/zephyr-7b-beta]",
+    "chat_completion/test_chat.py::test_too_many_chat_logprobs[HuggingFaceH4/zephyr-7b-beta]",
+    "chat_completion/test_chat.py::test_prompt_logprobs_chat[HuggingFaceH4/zephyr-7b-beta-1]",
+    "chat_completion/test_chat.py::test_chat_streaming[HuggingFaceH4/zephyr-7b-beta]",
+    "chat_completion/test_chat_completion.py::test_invalid_json_schema[Qwen/Qwen2.5-1.5B-Instruct]",
+]
+
+
+def fetched() -> bool:
+    try:
+        conformance.fetch()
+    except Exception as error:  # noqa: BLE001 - no network: say so and skip
+        pytest.skip(f"vLLM's test files could not be fetched ({error}); "
+                    f"`.venv/bin/python -m tools.conformance fetch` with network access")
+    return True
+
+
+@pytest.fixture(scope="module")
+async def outcomes(tmp_path_factory):
+    fetched()
+    if importlib.util.find_spec("tblib") is None:
+        pytest.fail("vLLM's tests/conftest.py needs tblib: it is a test dependency to pin")
+    junit = tmp_path_factory.mktemp("conformance") / "junit.xml"
+    async with serving({"VCHAT_API_KEY": KEY}) as server:
+        ids = [f"{conformance.OPENAI_DIR}/{t}" for t in SUBSET]
+        code = await asyncio.to_thread(
+            conformance.run_pytest, server.url, KEY, [], junit, ids)
+        assert code in (0, 1), f"pytest of vLLM's tests exited {code}"
+    return conformance.outcomes(junit.with_suffix(".jsonl"))
+
+
+@pytest.mark.parametrize("test_id", SUBSET)
+def test_vllm_openai_server_test_passes_on_the_app(outcomes, test_id):
+    assert outcomes.get(test_id) == "passed", outcomes.get(test_id, "not run")
