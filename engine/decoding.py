@@ -120,13 +120,18 @@ def piece_of(completion, top: int | None, as_ids: bool = False) -> Piece:
                  tuple(completion.token_ids))
 
 
+# What a log probability of -inf (a token a structured output rules out) is sent as: JSON
+# has no infinity (the reply was a 500), and vLLM's server sends this.
+LOWEST_LOGPROB = -9999.0
+
+
 def prompt_logprobs_of(logprobs) -> list | None:
     """vLLM's prompt log probabilities (per token None or {id: Logprob}) in its server's
     JSON shape, -inf as -9999.0 (as its server clamps them)."""
     if logprobs is None:
         return None
     return [None if place is None else {
-        str(i): {"logprob": max(p.logprob, -9999.0), "rank": p.rank,
+        str(i): {"logprob": max(p.logprob, LOWEST_LOGPROB), "rank": p.rank,
                  "decoded_token": p.decoded_token} for i, p in place.items()}
         for place in logprobs]
 
@@ -141,8 +146,8 @@ def token_logprob(token_id: int, alternatives: dict, top: int, as_ids: bool = Fa
     chosen = alternatives[token_id]
     ranked = sorted(((i, p) for i, p in alternatives.items()
                      if p.rank is not None and p.rank <= top), key=lambda ip: ip[1].rank)
-    return TokenLogprob(name(token_id, chosen), chosen.logprob,
-                        tuple((name(i, p), p.logprob) for i, p in ranked))
+    return TokenLogprob(name(token_id, chosen), max(chosen.logprob, LOWEST_LOGPROB),
+                        tuple((name(i, p), max(p.logprob, LOWEST_LOGPROB)) for i, p in ranked))
 
 
 def remote_logprobs(logprobs, top: int) -> tuple[TokenLogprob, ...] | None:
@@ -152,6 +157,6 @@ def remote_logprobs(logprobs, top: int) -> tuple[TokenLogprob, ...] | None:
     if logprobs is None or not logprobs.tokens:
         return None
     tops = logprobs.top_logprobs or [None] * len(logprobs.tokens)
-    return tuple(TokenLogprob(token, logprob if logprob is not None else float("-inf"),
+    return tuple(TokenLogprob(token, logprob if logprob is not None else LOWEST_LOGPROB,
                               tuple(sorted((alt or {}).items(), key=lambda kv: -kv[1])[:top]))
                  for token, logprob, alt in zip(logprobs.tokens, logprobs.token_logprobs, tops))

@@ -111,3 +111,20 @@ async def test_a_stopped_reply_costs_at_most_its_room(pool, metrics):
     assert pool.count_tokens(PROFILE, turn.reply) > 5
     assert turn.end(asyncio.CancelledError()) == "stopped"
     assert usage.rows[0].reply_tokens == prompt.max_tokens == 5 and usage.rows[0].stopped
+
+
+def test_a_ruled_out_tokens_log_probability_is_sent_as_vllm_sends_it():
+    """A structured output gives ruled-out tokens -inf, which JSON cannot hold (vLLM's own
+    test_structured_outputs_choice_chat_logprobs got a 500 from the app): -9999.0."""
+    import json
+    from types import SimpleNamespace
+
+    from engine.decoding import LOWEST_LOGPROB, token_logprob
+
+    inf = float("-inf")
+    place = {7: SimpleNamespace(logprob=inf, rank=1, decoded_token="a"),
+             9: SimpleNamespace(logprob=inf, rank=2, decoded_token="b")}
+    token = token_logprob(7, place, top=2)
+    assert token.logprob == LOWEST_LOGPROB == -9999.0
+    assert [lp for _, lp in token.top] == [LOWEST_LOGPROB] * 2
+    json.dumps({"logprob": token.logprob, "top": token.top}, allow_nan=False)
