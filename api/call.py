@@ -48,6 +48,7 @@ class Call:
         self.logprobs = decoding is not None and decoding.logprobs is not None
         # vLLM's return_token_ids: the prompt's ids and each choice's (each chunk's) too
         self.token_ids = bool(asked.get("return_token_ids"))
+        self.unsent_ids: dict[int, list[int]] = {}  # per choice, for the next chunk
 
     def fit(self) -> Prompt:
         tools = self.asked["tools"]
@@ -91,8 +92,16 @@ class Call:
         return JSONResponse(body)
 
     def whole_choices(self) -> list[dict]:
-        return self.choices.messages(self.turn.stats.finish_reason, self.logprobs,
-                                     self.token_ids)
+        choices = self.choices.messages(self.turn.stats.finish_reason, self.logprobs,
+                                        self.token_ids)
+        if echo := self.echoed():
+            for choice in choices:
+                choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+        return choices
+
+    def echoed(self) -> str:
+        """What vLLM's `echo` puts before each reply (api/requests.py echoed), or ""."""
+        return self.asked.get("echo") or ""
 
     async def _collect(self) -> None:
         async for item in self.items():
@@ -161,18 +170,32 @@ class Call:
                 "model": self.profile.name}
 
     def opening(self) -> list[str]:
-        """Each choice's first chunk: its role."""
+        """Each choice's first chunk: its role; then each one's echo where asked."""
+        n, echo = len(self.choices.texts), self.echoed()
         return [self.chunk(i, {"delta": {"role": "assistant", "content": ""}}, None,
                            self.usage_so_far(i), self.prompt.token_ids if self.token_ids
-                           else None)
-                for i in range(len(self.choices.texts))]
+                           else None) for i in range(n)] + \
+            [self.chunk(i, {"delta": {"content": echo}}, None, self.usage_so_far(i))
+             for i in range(n) if echo]
 
     def piece_chunks(self, piece: Piece) -> list[tuple[dict, str | None]]:
         chunks = self.choices.deltas(piece, self.logprobs)
         if self.token_ids:  # the piece's token ids on its first chunk
+            ids = self.held_ids(piece, bool(chunks))
             for n, (choice, _) in enumerate(chunks):
-                choice["token_ids"] = list(piece.token_ids or ()) if n == 0 else []
+                choice["token_ids"] = ids if n == 0 else []
         return chunks
+
+    def held_ids(self, piece: Piece, sent: bool) -> list[int]:
+        """The token ids a chunk for `piece` carries: those of pieces that made no chunk
+        (a character's first bytes, not yet text) and the piece's own; held for the next
+        chunk where this piece makes none."""
+        held = self.unsent_ids.setdefault(piece.index, [])
+        held.extend(piece.token_ids or ())
+        if not sent:
+            return []
+        self.unsent_ids[piece.index] = []
+        return held
 
     def ending(self, index: int) -> list[tuple[dict, str | None]]:
         return self.choices.ending(index, self.turn.stats.finish_reason)

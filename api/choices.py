@@ -77,13 +77,6 @@ class Choices:
                 out[-1]["token_ids"] = self.ids[i]
         return out
 
-    def completions(self, default_finish: str, logprobs: bool) -> list[dict]:
-        """A legacy completion's choices."""
-        return [{"index": i, "text": self.text(i),
-                 "logprobs": legacy_logprobs(self.logprobs[i]) if logprobs else None,
-                 "finish_reason": self.finish[i] or default_finish}
-                for i in range(len(self.texts))]
-
     # -- streamed ----------------------------------------------------------------------
 
     def deltas(self, piece: Piece, logprobs: bool) -> list[tuple[dict, str | None]]:
@@ -137,14 +130,3 @@ def chat_logprobs(tokens) -> dict:
          "top_logprobs": [{"token": token, "logprob": logprob, "bytes": token_bytes(token)}
                           for token, logprob in t.top]}
         for t in tokens or ()]}
-
-
-def legacy_logprobs(tokens, offset: int = 0) -> dict:
-    """/v1/completions' shape: parallel lists, the alternatives as {token: logprob}."""
-    offsets, at = [], offset
-    for t in tokens or ():
-        offsets.append(at)
-        at += len(t.token)
-    return {"tokens": [t.token for t in tokens or ()],
-            "token_logprobs": [t.logprob for t in tokens or ()],
-            "top_logprobs": [dict(t.top) for t in tokens or ()], "text_offset": offsets}

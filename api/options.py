@@ -24,11 +24,12 @@ STOP_CHARS = 2048  # characters in one stop sequence
 MAX_BIASED = 300  # tokens in one logit_bias
 BIAS_MAX = 100  # a bias, either way (OpenAI's range)
 MAX_ALLOWED = 300_000  # ids in allowed_token_ids (no vocabulary holds more)
+MAX_LOGPROB_IDS = 128  # ids in logprob_token_ids (vLLM's own bound)
 FORMATS = ("text", "json_object", "json_schema")
 # The numbers read as they are, within engine/limits.py's bounds: OpenAI's, then vLLM's own
 # sampling fields (which `vllm serve` takes too; Qwen's model card recommends top_k 20).
 NUMBERS = ("n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-           "repetition_penalty")
+           "repetition_penalty", "min_tokens")
 
 
 def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool = True
@@ -49,6 +50,10 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
     asked["logit_bias"] = logit_bias(body.get("logit_bias"))
     asked["logprobs"] = logprobs(body, checks["top_logprobs"], profile, chat)
     asked["allowed_token_ids"] = allowed_token_ids(body.get("allowed_token_ids"))
+    asked["logprob_token_ids"] = logprob_token_ids(body.get("logprob_token_ids"))
+    if asked["logprob_token_ids"] and asked["logprobs"] is None:
+        raise ApiError(400, "'logprob_token_ids' needs 'logprobs'"
+                       + (": true." if chat else "."))
     if (prompt := body.get("prompt_logprobs")) is not None:  # vLLM's own
         within(checks["top_logprobs"], prompt, profile, "prompt_logprobs")
         if body.get("stream") and prompt > 0:
@@ -73,11 +78,18 @@ def read_decoding(body: dict, profile: Profile, tools: Tools | None, chat: bool 
     return None if decoding == Decoding() else decoding
 
 
+def min_tokens_fit(decoding: Decoding | None, max_tokens: int) -> None:
+    """vLLM's `min_tokens` may not exceed the reply's `max_tokens`."""
+    if decoding is not None and decoding.min_tokens > max_tokens:
+        raise ApiError(400, f"'min_tokens' ({decoding.min_tokens}) must be at most "
+                       f"'max_tokens' ({max_tokens}).")
+
+
 def within(bound: Bound, value, profile: Profile, name: str | None = None) -> None:
     """A 400 naming the field (`name`, else the bound's) unless `value` keeps `bound`."""
     if not bound.holds(value):
         raise ApiError(400, f"'{name or bound.name}' must be a number {bound.span()} for "
-                       f"{profile.name}, got {str(value)[:50]!r}.")
+                       f"{profile.name}, got {str(value)[:50]!r} ({bound.broken(value)}).")
 
 
 def stops(stop) -> tuple[str, ...]:
@@ -154,6 +166,18 @@ def allowed_token_ids(ids) -> tuple[int, ...]:
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ApiError(400, f"'allowed_token_ids' must be a non-empty list of at most "
                        f"{MAX_ALLOWED:,} token ids.")
+    return tuple(ids)
+
+
+def logprob_token_ids(ids) -> tuple[int, ...]:
+    """vLLM's `logprob_token_ids`: the tokens whose log probabilities each place reports
+    (with the sampled one), in place of the likeliest."""
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or len(ids) > MAX_LOGPROB_IDS or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ApiError(400, f"'logprob_token_ids' must be a list of at most "
+                       f"{MAX_LOGPROB_IDS} token ids.")
     return tuple(ids)
 
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import replace
 
 from api.errors import ApiError
-from api.options import read_decoding, within
+from api.options import flag, min_tokens_fit, read_decoding, within
 from api.tools import read_tools
 from engine import ChatError, Message, Profile
 from engine.chat_format import API_ROLES
@@ -32,9 +32,9 @@ MAX_MESSAGES = 10_000  # in one request (the body is bounded too: VCHAT_API_MAX_
 # provider's abuse monitoring) is accepted and not used, as by `vllm serve`; `ignore_eos`
 # (its benchmark client sends it: every reply runs to max_tokens), `top_k`, `min_p`,
 # `repetition_penalty`, `return_token_ids`, `return_tokens_as_token_ids`,
-# `allowed_token_ids`, `structured_outputs`, `prompt_logprobs` and the chat template's
-# options (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`) are
-# vLLM's own.
+# `allowed_token_ids`, `structured_outputs`, `prompt_logprobs`, `min_tokens`,
+# `logprob_token_ids`, `echo` and the chat template's options (`add_generation_prompt`,
+# `continue_final_message`, `chat_template_kwargs`) are vLLM's own.
 FIELDS = frozenset((
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "seed", "stream", "stream_options", "n", "stop", "presence_penalty", "frequency_penalty",
@@ -42,7 +42,7 @@ FIELDS = frozenset((
     "parallel_tool_calls", "user", "ignore_eos", "top_k", "min_p", "repetition_penalty",
     "return_token_ids", "return_tokens_as_token_ids", "allowed_token_ids",
     "structured_outputs", "prompt_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs"))
+    "chat_template_kwargs", "echo", "min_tokens", "logprob_token_ids"))
 # What a request's chat_template_kwargs may not set: the template's own arguments.
 TEMPLATE_RESERVED = frozenset((
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -126,8 +126,9 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
     max_tokens = given(body, "max_completion_tokens",
                        given(body, "max_tokens", profile.sampling.max_tokens))
     sampling = sampling_of(body, profile, max_tokens)
+    min_tokens_fit(decoding, max_tokens)
     last = history[-1]
-    return profile, {"history": history[:-1],
+    return profile, {"echo": echoed(body, template),"history": history[:-1],
                      "new": Message(last.role, text, tool_calls=last.tool_calls,
                                    tool_call_id=last.tool_call_id),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
@@ -135,6 +136,20 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
                      "continuous_usage": continuous, "template": template,
                      "return_token_ids": decoding.token_ids and body.get("return_token_ids"),
                      "tools": tools, "decoding": decoding, **extras, "sampling": sampling}
+
+
+def echoed(body: dict, template: dict | None) -> str:
+    """What vLLM's `echo` puts before each reply: the last message's text where the reply
+    continues its role (the template adds no assistant turn, or the last message is the
+    assistant's), else ""."""
+    if not flag(body, "echo"):
+        return ""
+    last = body["messages"][-1]
+    if (template is None or template["add_generation_prompt"]) and \
+            last["role"] != "assistant":
+        return ""
+    content = last.get("content")
+    return "" if content is None else content_text(content, "the last message's content")
 
 
 def sampling_of(body: dict, profile: Profile, max_tokens) -> dict:

@@ -33,10 +33,19 @@ class Decoding:
     token_ids: bool = False  # each Piece carries its token ids (the API's usage so far)
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's own: the reply uses only these
     tokens_as_ids: bool = False  # log probabilities' tokens as "token_id:N" (vLLM's own)
+    # vLLM's own: each place reports these tokens' log probabilities (and the sampled
+    # one's) in place of the `logprobs` likeliest
+    logprob_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # vLLM's own: no end (EOS or stop) before this many tokens
     prompt_logprobs: int | None = None  # vLLM's own: alternatives per prompt token; None: no
     # vLLM's own structured outputs as asked (StructuredOutputsParams' fields: json, regex,
     # choice, grammar...), in place of json_schema / json_object
     structured_outputs: dict | None = field(default=None, hash=False)
+
+    def reported(self) -> int | None:
+        """How many alternatives each token's log probability comes with (piece_of's
+        `top`): -1 for every token vLLM reports (logprob_token_ids'), None: none asked."""
+        return -1 if self.logprob_token_ids and self.logprobs is not None else self.logprobs
 
     def structured(self) -> dict | None:
         """vLLM's structured outputs for the reply's form (StructuredOutputsParams'
@@ -57,8 +66,10 @@ class Decoding:
         return {"n": self.n, "stop": list(self.stop) or None,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty,
-                "logit_bias": dict(self.logit_bias) or None, "logprobs": self.logprobs,
-                "top_k": self.top_k, "min_p": self.min_p,
+                "logit_bias": dict(self.logit_bias) or None,
+                "logprobs": None if self.logprob_token_ids else self.logprobs,
+                "logprob_token_ids": list(self.logprob_token_ids) or None,
+                "min_tokens": self.min_tokens, "top_k": self.top_k, "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty,
                 "skip_special_tokens": not self.special_tokens,
                 "allowed_token_ids": list(self.allowed_token_ids) or None,
@@ -79,6 +90,10 @@ class Decoding:
             extra["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.tokens_as_ids:
             extra["return_tokens_as_token_ids"] = True
+        if self.logprob_token_ids:
+            extra["logprob_token_ids"] = list(self.logprob_token_ids)
+        if self.min_tokens:
+            extra["min_tokens"] = self.min_tokens
         return {"n": self.n, "stop": list(self.stop) or None,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty,
@@ -109,7 +124,8 @@ class Piece:
 
 def piece_of(completion, top: int | None, as_ids: bool = False) -> Piece:
     """A Piece from one of vLLM's CompletionOutputs (a delta), with `top` alternatives per
-    token where log probabilities were asked for (`as_ids`: each token as "token_id:N")."""
+    token where log probabilities were asked for (`as_ids`: each token as "token_id:N";
+    `top` -1: every token vLLM reports, as for logprob_token_ids)."""
     logprobs = None
     if top is not None and completion.logprobs is not None:
         logprobs = tuple(token_logprob(token_id, alternatives, top, as_ids)
@@ -144,8 +160,12 @@ def token_logprob(token_id: int, alternatives: dict, top: int, as_ids: bool = Fa
         return f"token_id:{i}" if as_ids else p.decoded_token or ""
 
     chosen = alternatives[token_id]
-    ranked = sorted(((i, p) for i, p in alternatives.items()
-                     if p.rank is not None and p.rank <= top), key=lambda ip: ip[1].rank)
+    if top == -1:  # every token reported, in vLLM's order (the sampled one first)
+        ranked = list(alternatives.items())
+    else:
+        ranked = sorted(((i, p) for i, p in alternatives.items()
+                         if p.rank is not None and p.rank <= top),
+                        key=lambda ip: ip[1].rank)
     return TokenLogprob(name(token_id, chosen), max(chosen.logprob, LOWEST_LOGPROB),
                         tuple((name(i, p), max(p.logprob, LOWEST_LOGPROB)) for i, p in ranked))
 
@@ -153,10 +173,11 @@ def token_logprob(token_id: int, alternatives: dict, top: int, as_ids: bool = Fa
 def remote_logprobs(logprobs, top: int) -> tuple[TokenLogprob, ...] | None:
     """A /v1/completions choice's log probabilities (tokens, token_logprobs, top_logprobs:
     vLLM's server puts the chosen token among the alternatives) as TokenLogprobs with the
-    `top` likeliest."""
+    `top` likeliest (-1: every one the server sent, as for logprob_token_ids)."""
     if logprobs is None or not logprobs.tokens:
         return None
     tops = logprobs.top_logprobs or [None] * len(logprobs.tokens)
+    cut = None if top == -1 else top
     return tuple(TokenLogprob(token, logprob if logprob is not None else LOWEST_LOGPROB,
-                              tuple(sorted((alt or {}).items(), key=lambda kv: -kv[1])[:top]))
+                              tuple(sorted((alt or {}).items(), key=lambda kv: -kv[1])[:cut]))
                  for token, logprob, alt in zip(logprobs.tokens, logprobs.token_logprobs, tops))

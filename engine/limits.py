@@ -29,6 +29,17 @@ class Bound:
             return False
         return (self.lo < value if self.lo_open else self.lo <= value) and value <= self.hi
 
+    def broken(self, value) -> str:
+        """Which check `value` fails, in the words pydantic's errors use (vLLM's server
+        answers with them, and its clients match them): greater_than_equal 0, ..."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                self.kind is int and not isinstance(value, int)):
+            return "int_type" if self.kind is int else "float_type"
+        if value > self.hi:
+            return f"less_than_equal {shown(self.hi)}"
+        return f"greater_than {shown(self.lo)}" if self.lo_open else \
+            f"greater_than_equal {shown(self.lo)}"
+
     def span(self) -> str:
         """"from 1 to 1024", or "above 0 and at most 1"."""
         lo, hi = shown(self.lo), shown(self.hi)
@@ -52,6 +63,7 @@ def bounds(limits) -> dict[str, Bound]:
         Bound("presence_penalty", "Presence penalty", float, -PENALTY_MAX, PENALTY_MAX),
         Bound("frequency_penalty", "Frequency penalty", float, -PENALTY_MAX, PENALTY_MAX),
         Bound("top_k", "Top k", int, -1, TOP_K_MAX),
+        Bound("min_tokens", "Min tokens", int, 0, limits.max_tokens),
         Bound("min_p", "Min p", float, 0.0, 1.0),
         Bound("repetition_penalty", "Repetition penalty", float, 0.0, PENALTY_MAX,
               lo_open=True),

@@ -216,7 +216,7 @@ class PresetEngine(Engine):
                 **(decoding.vllm_params() if decoding else {}))
         except refused as exc:  # vLLM's own check of what was asked (n with greedy...)
             raise ChatError(f"The model cannot decode as asked: {_first_line(exc)}") from None
-        top = decoding.logprobs if decoding else None
+        top = decoding.reported() if decoding else None
         request_id = f"chat-{uuid.uuid4().hex}"
         started = time.monotonic()
         ttft, legs, out_tokens, finish, done = None, None, 0, "abort", False

@@ -334,13 +334,20 @@ class Engines:
             return str(exc)
         return None
 
-    def raw_prompt(self, profile: str, prompt: str | list[int], max_tokens: int) -> Prompt:
+    def raw_prompt(self, profile: str, prompt: str | list[int], max_tokens: int,
+                   truncate: tuple[int, str] | None = None) -> Prompt:
         """A prompt as given: token ids, or text encoded by the model's tokenizer with its
         control tokens read as such (as vLLM's server reads a completion's prompt: the
-        caller writes the whole prompt), with room for `max_tokens` in the context."""
+        caller writes the whole prompt), with room for `max_tokens` in the context.
+        `truncate`: (k, side), vLLM's truncate_prompt_tokens: only the last k tokens kept
+        (side "left") or the first k ("right"); k -1: as many as the context leaves."""
         engine = self.for_profile(profile)
         ids = prompt if isinstance(prompt, list) else \
             engine.formatter.tokenizer(prompt)["input_ids"]
+        if truncate is not None:
+            keep, side = truncate
+            keep = max(engine.max_model_len - max_tokens, 1) if keep == -1 else keep
+            ids = list(ids[:keep] if side == "right" else ids[-keep:])
         given = Prompt([], "", list(ids), max_tokens, max_tokens)
         check_fits(given, engine.max_model_len)
         return given

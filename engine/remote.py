@@ -262,7 +262,7 @@ class RemoteEngine(Engine):
                     if decoding is not None and (choice.text or choice.finish_reason):
                         ids = getattr(choice, "token_ids", None)  # return_token_ids
                         yield Piece(choice.index, choice.text, remote_logprobs(
-                            choice.logprobs, decoding.logprobs or 0), choice.finish_reason,
+                            choice.logprobs, decoding.reported() or 0), choice.finish_reason,
                             None if ids is None else tuple(ids))
                     elif choice.text:
                         yield choice.text

@@ -95,10 +95,12 @@ class Turn:
                                        tools=tools, template=template)
         return self.prompt
 
-    def take_prompt(self, prompt: str | list[int], max_tokens: int) -> Prompt:
+    def take_prompt(self, prompt: str | list[int], max_tokens: int,
+                    truncate: tuple[int, str] | None = None) -> Prompt:
         """A prompt as given, text or token ids (a legacy completion: no template, no
-        history to fit), with room for `max_tokens`."""
-        self.prompt = self.engines.raw_prompt(self.profile, prompt, max_tokens)
+        history to fit), with room for `max_tokens`; `truncate`: (k, side), only k of its
+        tokens kept (engine/pool.py raw_prompt)."""
+        self.prompt = self.engines.raw_prompt(self.profile, prompt, max_tokens, truncate)
         return self.prompt
 
     async def stream(self, prompt: Prompt,

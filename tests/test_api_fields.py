@@ -301,7 +301,7 @@ def token_ids():
 REFUSED = [
     # (extra fields, words the 400 must hold)
     ({"functions": [{"name": "f"}]}, "'functions' is not supported"),
-    ({"min_tokens": 5}, "'min_tokens' is not supported"),
+    ({"use_beam_search": True}, "'use_beam_search' is not supported"),
     ({"n": 5}, "'n' must be a number from 1 to 4 for Throughput-first"),
     ({"top_logprobs": 3}, "needs 'logprobs': true"),
     ({"logit_bias": {"99999999": 5}}, "out-of-vocab"),
@@ -324,9 +324,11 @@ async def test_what_the_server_cannot_honour_is_refused_by_name(servers, extra, 
 
 async def test_legacy_fields_it_cannot_honour_are_refused_and_the_server_serves_on(servers):
     # `echo` and a list of prompts are answered now (issue 54: as vLLM's server answers
-    # them, tests/test_api_vllm_routes.py); echo with logprobs and a streamed list are not.
-    for extra, words in (({"echo": True, "logprobs": 1}, "'echo'"), ({"suffix": "x"}, "'suffix'"),
-                         ({"best_of": 3}, "'best_of'"), ({"logprobs": 21}, "'logprobs'"),
+    # them, tests/test_api_vllm_routes.py); echo with logprobs streamed and a streamed list
+    # are not.
+    for extra, words in (({"echo": True, "logprobs": 1, "stream": True}, "'echo'"),
+                         ({"suffix": "x"}, "'suffix'"), ({"best_of": 3}, "'best_of'"),
+                         ({"logprobs": 21}, "'logprobs'"),
                          ({"prompt": ["a", "b"], "stream": True}, "list of prompts")):
         with pytest.raises(openai.BadRequestError) as refused:
             await servers[0].completions.create(

@@ -1,7 +1,9 @@
 """Chat completions answered as `vllm serve` answers them (issue 54), on a real `chainlit run
 app.py` with the embedded model: stream_options' rules and continuous usage, the last
 streamed chunk carrying the last text with its finish reason, vLLM's own keys in a whole
-reply, a conversation of system messages only, and every bad logit_bias key named.
+reply, a conversation of system messages only, every bad logit_bias key named, and vLLM's
+own fields (token ids, allowed tokens, structured outputs, prompt logprobs, the template's
+options, echo, min_tokens, logprob_token_ids).
 
     .venv/bin/python -m pytest -q tests/test_api_vllm_fields.py
 """
@@ -159,6 +161,23 @@ async def test_return_token_ids_gives_the_prompts_and_each_replys_ids(server):
     assert [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]] == ids
 
 
+async def test_streamed_token_ids_keep_a_characters_first_bytes(server):
+    """A token that is only part of a character (an emoji's first bytes) makes no text
+    and no chunk of its own; its id was lost from the stream. It comes with the next."""
+    talk = [{"role": "system", "content": "You like to use emojis in your responses."},
+            {"role": "user", "content": "Repeat after me: I love cats 🐱"}]
+    body = {"model": MODEL, "messages": talk, "max_tokens": 30, "temperature": 0}
+    whole = (await post(server, {**body, "return_token_ids": True})).json()["choices"][0]
+    stream = await api(server).chat.completions.create(
+        **body, stream=True, extra_body={"return_token_ids": True})
+    chunks = [c.model_dump() async for c in stream]
+    ids = [i for c in chunks[1:] for i in c["choices"][0]["token_ids"]]
+    assert ids == whole["token_ids"]
+    text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[1:])
+    assert text == whole["message"]["content"]
+    assert any(ord(ch) > 0xFFFF for ch in text), "the reply has no emoji to split"
+
+
 async def test_return_tokens_as_token_ids_names_each_token_by_its_id(server):
     reply = await api(server).chat.completions.create(
         model=MODEL, messages=ask("Hi"), max_tokens=4, temperature=0, logprobs=True,
@@ -252,3 +271,80 @@ async def test_the_chat_templates_options_shape_the_prompt(server):
         refused = await post(server, {"model": MODEL, "messages": talk[:1], "max_tokens": 2,
                                       **bad})
         assert refused.status_code == 400, (bad, refused.text)
+
+
+async def test_echo_puts_the_continued_message_before_the_reply(server):
+    """vLLM's `echo`: the last message's text before the reply where the reply continues
+    its role (an assistant's message continued), nothing where a new turn starts."""
+    said = "A common saying: an apple a day keeps"
+    talk = [{"role": "user", "content": "Tell me a common saying."},
+            {"role": "assistant", "content": said}]
+    body = {"model": MODEL, "messages": talk, "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = (await post(server, body)).json()["choices"][0]["message"]["content"]
+    echoed = (await post(server, {**body, "echo": True})).json()
+    assert echoed["choices"][0]["message"]["content"] == said + plain
+    streamed = await api(server).chat.completions.create(
+        **{k: v for k, v in body.items() if k in ("model", "messages", "max_tokens",
+                                                  "temperature")}, stream=True,
+        extra_body={"echo": True, "add_generation_prompt": False,
+                    "continue_final_message": True})
+    text = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
+    assert text == said + plain
+    new_turn = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 3,
+                                    "echo": True})).json()
+    assert not new_turn["choices"][0]["message"]["content"].startswith("Hi")
+
+
+async def test_min_tokens_hold_off_the_end(server):
+    """vLLM's `min_tokens`: no end of turn before them (here the end is made the likeliest
+    token, and the reply still runs to its length)."""
+    async with httpx.AsyncClient(timeout=60) as client:  # the model's end of turn
+        end = (await client.post(server.url + "/tokenize", json={
+            "model": MODEL, "prompt": "<|im_end|>"},
+            headers={"Authorization": f"Bearer {KEY}"})).json()["tokens"]
+    assert len(end) == 1
+    ended = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 8,
+                                 "temperature": 0, "logit_bias": {str(end[0]): 100}})).json()
+    assert ended["usage"]["completion_tokens"] <= 1
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    held = (await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 8,
+                                "temperature": 0, "logit_bias": {str(end[0]): 100},
+                                "min_tokens": 5})).json()
+    assert held["usage"]["completion_tokens"] >= 5
+    refused = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 2,
+                                  "min_tokens": 3})
+    assert refused.status_code == 400 and "'min_tokens'" in refused.text
+
+
+async def test_logprob_token_ids_report_the_named_tokens(server):
+    """vLLM's `logprob_token_ids`: each place's alternatives are the named tokens and the
+    sampled one, in place of the likeliest; streamed too."""
+    for named, top in (([5000], 5), ([100, 1000, 5000], 3)):
+        reply = await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Hello"), max_tokens=1, temperature=0, logprobs=True,
+            top_logprobs=top, extra_body={"logprob_token_ids": named,
+                                          "allowed_token_ids": [42],
+                                          "return_tokens_as_token_ids": True})
+        place = reply.choices[0].logprobs.content[0]
+        assert place.token == "token_id:42"
+        assert {t.token for t in place.top_logprobs} == {f"token_id:{i}" for i in named + [42]}
+        assert all(-9999 <= t.logprob <= 0 for t in place.top_logprobs)
+    stream = await api(server).chat.completions.create(
+        model=MODEL, messages=ask("Hello"), max_tokens=1, temperature=0, logprobs=True,
+        stream=True, extra_body={"logprob_token_ids": [5000], "allowed_token_ids": [42],
+                                 "return_tokens_as_token_ids": True})
+    seen = {t.token async for c in stream if c.choices and c.choices[0].logprobs
+            for place in c.choices[0].logprobs.content for t in place.top_logprobs}
+    assert seen == {"token_id:42", "token_id:5000"}
+    refused = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 1,
+                                  "logprob_token_ids": [5]})
+    assert refused.status_code == 400 and "'logprobs'" in refused.text
+
+
+async def test_a_number_out_of_bounds_names_the_broken_check(server):
+    """vLLM's clients match pydantic's words for the check a number failed."""
+    for seed, check in ((-1, "greater_than_equal"), (2**63, "less_than_equal")):
+        refused = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 1,
+                                      "seed": seed})
+        assert refused.status_code == 400 and check in refused.text

@@ -1,7 +1,8 @@
 """Issue 54: what `vllm serve` accepts, a real `chainlit run app.py` accepts and answers as
 vLLM does (vLLM 0.32's own OpenAI-server tests failed on these): tools whose parameters use
-`$defs`, a held tool call cut short, /v1/completions' `logprobs: 0`, lists of prompts and
-`echo`, the batched chat, /invocations, /tokenize and /detokenize, long stop strings.
+`$defs`, a held tool call cut short, /v1/completions' `logprobs: 0`, lists of prompts, `echo`
+(with `logprobs` too) and vLLM's own fields, the batched chat, /invocations, /tokenize and
+/detokenize, long stop strings.
 
     .venv/bin/python -m pytest tests/test_api_vllm_routes.py
 """
@@ -174,3 +175,88 @@ async def test_long_stop_strings_are_taken(server):
         "model": MODEL, "prompt": "Hi", "max_tokens": 4,
         "stop": ["x" * 1000, "y" * 300, "z", "w", "v", "u"]})
     assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_echo_with_logprobs_puts_the_prompts_tokens_first(server):
+    """`echo` with `logprobs` was a 400; vLLM puts the prompt's tokens first in the
+    log probabilities, the first without one (nothing comes before it)."""
+    prompt = "One, two, three,"
+    ids = (await ok(server, "/tokenize", {"model": MODEL, "prompt": prompt}))["tokens"]
+    for top in (0, 1):
+        reply = await ok(server, "/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "echo": True, "logprobs": top, "return_token_ids": True})
+        choice = reply["choices"][0]
+        logprobs = choice["logprobs"]
+        assert choice["text"].startswith(prompt)
+        assert len(logprobs["tokens"]) == len(ids) + 3 == len(logprobs["text_offset"])
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        for token, logprob, alternatives in zip(logprobs["tokens"][1:],
+                                                logprobs["token_logprobs"][1:],
+                                                logprobs["top_logprobs"][1:]):
+            assert logprob <= 0 and max(top, 1) <= len(alternatives) <= top + 1
+            assert next(iter(alternatives)) == token
+        assert "".join(logprobs["tokens"]) == choice["text"]
+        assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 3
+    streamed = await post(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1,
+        "stream": True})
+    assert streamed.status_code == 400 and "stream" in streamed.text
+
+
+async def test_completions_take_vllms_own_fields(server):
+    """return_token_ids, prompt_logprobs, min_tokens, allowed_token_ids and
+    logprob_token_ids were refused on /v1/completions; vLLM takes them there too."""
+    prompt = "The capital of France is"
+    ids = (await ok(server, "/tokenize", {"model": MODEL, "prompt": prompt}))["tokens"]
+    reply = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "return_token_ids": True, "prompt_logprobs": 1})
+    choice = reply["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 4
+    assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None
+    plain = await ok(server, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                 "max_tokens": 4})
+    assert plain["choices"][0]["token_ids"] is None
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    # min_tokens: an end of text is not sampled before them (EOS banned)
+    eos = (await ok(server, "/tokenize", {"model": MODEL, "prompt": "<|im_end|>"}))["tokens"]
+    ended = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "logit_bias": {str(eos[0]): 100}})
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    held = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 6, "min_tokens": 6,
+        "temperature": 0, "logit_bias": {str(eos[0]): 100}, "return_token_ids": True})
+    assert len(held["choices"][0]["token_ids"]) == 6
+    assert held["choices"][0]["finish_reason"] == "length"
+    # logprob_token_ids: the named tokens' log probabilities and the sampled one's
+    named = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+        "logprob_token_ids": [100, 1000], "allowed_token_ids": [42],
+        "return_tokens_as_token_ids": True})
+    top = named["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert set(top) == {"token_id:42", "token_id:100", "token_id:1000"}
+    refused = await post(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "min_tokens": 3})
+    assert refused.status_code == 400 and "'min_tokens'" in refused.text
+
+
+async def test_truncate_prompt_tokens_keeps_one_end_of_the_prompt(server):
+    """vLLM's truncate_prompt_tokens was refused: the last k tokens are kept (or the
+    first k with truncation_side "right"); -1 keeps as many as the context leaves."""
+    ids = list(range(100, 108))
+    for side, kept in (("right", ids[:4]), ("left", ids[-4:]), (None, ids[-4:])):
+        reply = await ok(server, "/v1/completions", {
+            "model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True, "truncate_prompt_tokens": 4, "truncation_side": side})
+        assert reply["choices"][0]["prompt_token_ids"] == kept
+    whole = await ok(server, "/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "return_token_ids": True,
+        "truncate_prompt_tokens": -1})
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    for bad in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": "4"},
+                {"truncate_prompt_tokens": 4, "truncation_side": "middle"}):
+        refused = await post(server, "/v1/completions", {
+            "model": MODEL, "prompt": ids, "max_tokens": 1, **bad})
+        assert refused.status_code == 400 and "trunca" in refused.text

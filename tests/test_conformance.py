@@ -1,8 +1,8 @@
 """A fast subset of vLLM 0.32.0's own OpenAI-server tests (issue 54) against one app: the
 ones that pass on vLLM's own server with the embedded model and matter most to clients
-(streaming, usage, logprobs, completions, token ids). `make conformance` runs all 12 files
-(tools/conformance.py); this runs SUBSET in one pytest of vLLM's tree against one app
-started here, and reports each of those tests as its own test.
+(streaming, usage, logprobs, completions, token ids, echo, truncation). `make conformance`
+runs all 12 files (tools/conformance.py); this runs SUBSET in one pytest of vLLM's tree
+against one app started here, and reports each of those tests as its own test.
 
 The files come from vLLM's source package on PyPI (`make test` fetches them into
 .cache/vllm-tests first); only where they could not be fetched are these skipped."""
@@ -28,6 +28,15 @@ SUBSET: list[str] = [
     "chat_completion/test_chat.py::test_prompt_logprobs_chat[HuggingFaceH4/zephyr-7b-beta-1]",
     "chat_completion/test_chat.py::test_chat_streaming[HuggingFaceH4/zephyr-7b-beta]",
     "chat_completion/test_chat_completion.py::test_invalid_json_schema[Qwen/Qwen2.5-1.5B-Instruct]",
+    "chat_completion/test_chat.py::test_long_seed",
+    "chat_completion/test_chat_echo.py::test_chat_session_with_echo_and_continue_final_message"
+    "[test_case0]",
+    "chat_completion/test_logprob_token_ids.py::test_logprob_token_ids_returns_requested_ids"
+    "[sampled-outside-set]",
+    "completion/test_completion.py::test_echo_logprob_completion[1-facebook/opt-125m]",
+    "completion/test_completion.py::test_completion_truncation_side_controls_prompt_truncation"
+    "[facebook/opt-125m]",
+    "test_return_token_ids.py::test_chat_completion_with_emoji_and_token_ids",
 ]
 
 
