@@ -20,17 +20,16 @@ import json
 from starlette.responses import JSONResponse, Response
 
 from api.errors import ApiError
-from api.requests import json_body, read
+from api.requests import read
 from engine import Profile
 from engine.config import Config
 
 MAX_CONVERSATIONS = 64  # conversations in one batched chat: each is a turn in the line
 
 
-def read_chat_batch(raw: bytes, config: Config) -> tuple[Profile, dict]:
-    """A batched chat completion's body: each conversation read as a chat completion of its
-    own (api/requests.py), the parts of the first with all of them under "batch"."""
-    body = json_body(raw)
+def read_chat_batch(body: dict, config: Config) -> tuple[Profile, dict]:
+    """A batched chat completion's body (JSON): each conversation read as a chat completion
+    of its own (api/requests.py), the parts of the first with all of them under "batch"."""
     conversations = body.get("messages")
     if not isinstance(conversations, list) or not conversations or not all(
             isinstance(c, list) and c for c in conversations):

@@ -24,8 +24,8 @@ from dataclasses import replace
 from api.call import Call
 from api.errors import ApiError
 from api.options import min_tokens_fit, read_decoding
-from api.requests import (extra_fields, given, json_body, only_known, profile_of,
-                          sampling_of, streaming)
+from api.requests import (extra_fields, given, only_known, profile_of, sampling_of,
+                          streaming)
 from engine import Message, Profile, Prompt
 from engine.config import Config
 from engine.decoding import Decoding, Piece
@@ -42,9 +42,8 @@ NO_OPS = {"suffix": "", "best_of": 1}
 MAX_PROMPTS = 64  # prompts in one request: each is a turn in the admission line
 
 
-def read_completion(raw: bytes, config: Config) -> tuple[Profile, dict]:
-    """A legacy completion's body, checked: (profile, the turn's parts)."""
-    body = json_body(raw)
+def read_completion(body: dict, config: Config) -> tuple[Profile, dict]:
+    """A legacy completion's body (JSON), checked: (profile, the turn's parts)."""
     profile = profile_of(body, config)
     only_known(body, FIELDS)
     for name, no_op in NO_OPS.items():
@@ -79,12 +78,13 @@ def read_completion(raw: bytes, config: Config) -> tuple[Profile, dict]:
                            code="unsupported_parameter")
         if decoding.prompt_logprobs is None:
             decoding = replace(decoding, prompt_logprobs=decoding.logprobs)
-    asked = [{"new": Message("user", text), "prompt": text if ids is None else ids,
-              "echo": echo, "max_tokens": max_tokens, "stream": stream,
+    shared = {"echo": echo, "max_tokens": max_tokens, "stream": stream,
               "return_token_ids": decoding.token_ids and bool(body.get("return_token_ids")),
-              "truncate": truncation(body),
-              "include_usage": include_usage, "continuous_usage": continuous, "tools": None, **extras,
-              "decoding": decoding, "sampling": sampling} for text, ids in prompts]
+              "truncate": truncation(body), "include_usage": include_usage,
+              "continuous_usage": continuous, "tools": None, **extras,
+              "decoding": decoding, "sampling": sampling}
+    asked = [{"new": Message("user", text), "prompt": text if ids is None else ids, **shared}
+             for text, ids in prompts]
     return profile, asked[0] if len(asked) == 1 else {**asked[0], "batch": asked}
 
 
@@ -146,10 +146,11 @@ class CompletionCall(Call):
         if not self.asked.get("echo"):
             return ""
         prompt = self.asked["prompt"]
-        if isinstance(prompt, str):
-            return prompt
-        return self.turn.engines.for_profile(self.profile.name).formatter.tokenizer.decode(
-            prompt)
+        return prompt if isinstance(prompt, str) else self.tokenizer().decode(prompt)
+
+    def tokenizer(self):
+        """The profile's model's tokenizer."""
+        return self.turn.engines.for_profile(self.profile.name).formatter.tokenizer
 
     def whole_choices(self) -> list[dict]:
         echo, decoding = self.echoed(), self.asked["decoding"]
@@ -172,7 +173,7 @@ class CompletionCall(Call):
         first has none."""
         decoding = self.asked["decoding"]
         top, as_ids = decoding.logprobs, decoding.tokens_as_ids
-        tokenizer = self.turn.engines.for_profile(self.profile.name).formatter.tokenizer
+        tokenizer = self.tokenizer()
         out = []
         for token_id, place in zip(self.prompt.token_ids, self.choices.prompt_logprobs or ()):
             if place is None:

@@ -39,7 +39,7 @@ from api.batches import answer_all, read_chat_batch
 from api.call import Call, refusal
 from api.completions import CompletionCall, read_completion
 from api.errors import ApiError
-from api.requests import json_body, read_body, session_key
+from api.requests import json_body, read, session_key
 from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
@@ -95,7 +95,7 @@ class OpenAIApi:
             for p in self.config.profiles]})
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.answer(request, read_body, Call)
+        return await self.answer(request, read, Call)
 
     async def completions(self, request: Request) -> Response:
         """A legacy completion (api/completions.py): a prompt as given, no chat template."""
@@ -106,16 +106,17 @@ class OpenAIApi:
         return await self.answer(request, read_chat_batch, Call)
 
     async def invocations(self, request: Request) -> Response:
-        """SageMaker's route, as `vllm serve` routes it: by the body's shape."""
+        """SageMaker's route, as `vllm serve` routes it: by the body's shape (the key
+        checked and the body parsed once, here)."""
         try:
-            await self.caller(request)
-            body = json_body(await request.body())
+            known = await self.read_request(request)
         except ApiError as exc:
             return exc.response()
+        body = known[2]
         if "messages" in body:
-            return await self.chat_completions(request)
+            return await self.answer(request, read, Call, known)
         if "prompt" in body:
-            return await self.completions(request)
+            return await self.answer(request, read_completion, CompletionCall, known)
         return ApiError(400, "An invocation is a chat completion ('messages') or a "
                         "completion ('prompt').").response()
 
@@ -137,14 +138,23 @@ class OpenAIApi:
         except ChatError as exc:  # the engine not serving
             return refusal(exc).response()
 
-    async def answer(self, request: Request, read, call_class) -> Response:
-        """A request read by `read`, answered by a `call_class` (a Call) for each of its
-        turns (several: a list of prompts or conversations, api/batches.py)."""
+    async def read_request(self, request: Request) -> tuple[str | None, str | None, dict]:
+        """(who asks: `caller`, the session key, the body as JSON: a large one parsed in a
+        worker thread)."""
+        account = await self.caller(request)
+        session = session_key(request)
+        raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
+        return account, session, await off_the_loop(len(raw), json_body, raw)
+
+    async def answer(self, request: Request, read, call_class, known: tuple | None = None
+                     ) -> Response:
+        """A request read by `read` (its JSON body checked), answered by a `call_class` (a
+        Call) for each of its turns (several: a list of prompts or conversations,
+        api/batches.py); `known`: what `read_request` gave already."""
         try:
-            account = await self.caller(request)
-            session = session_key(request)
-            raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
-            profile, asked = await off_the_loop(len(raw), read, raw, self.config)
+            account, session, body = known or await self.read_request(request)
+            raw = await request.body()  # read already: its size
+            profile, asked = await off_the_loop(len(raw), read, body, self.config)
         except ApiError as exc:
             return exc.response()
         calls = []

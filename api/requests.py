@@ -67,11 +67,6 @@ def session_key(request) -> str | None:
     return key
 
 
-def read_body(raw: bytes, config: Config) -> tuple[Profile, dict]:
-    """A chat completion's body, checked (`read`)."""
-    return read(json_body(raw), config)
-
-
 def json_body(raw: bytes) -> dict:
     """A request body as a JSON object."""
     try:
