@@ -56,7 +56,8 @@ class Call:
                              system_prompt=self.asked["system_prompt"],
                              max_tokens=self.asked["max_tokens"],
                              tools=None if tools is None else list(tools.specs),
-                             template=self.asked.get("template"))
+                             template=self.asked.get("template"),
+                             reserve=self.asked.get("reserve"))
 
     def items(self) -> AsyncIterator[str | Piece]:
         return self.turn.stream(self.prompt, decoding=self.asked["decoding"],

@@ -45,6 +45,8 @@ MAX_PROMPTS = 64  # prompts in one request: each is a turn in the admission line
 def read_completion(body: dict, config: Config) -> tuple[Profile, dict]:
     """A legacy completion's body (JSON), checked: (profile, the turn's parts)."""
     profile = profile_of(body, config)
+    if body.get("prompt_embeds") in ([], ""):  # vLLM's "none given"
+        body = {k: v for k, v in body.items() if k != "prompt_embeds"}
     only_known(body, FIELDS)
     for name, no_op in NO_OPS.items():
         if given(body, name, no_op) not in (no_op, None) and not (
@@ -106,6 +108,10 @@ def truncation(body: dict) -> tuple[int, str] | None:
 def prompts_of(prompt, max_chars: int) -> list[tuple[str, list[int] | None]]:
     """Each prompt's (text, token ids where given as ids): a string or a list of token ids,
     or a non-empty list of them (vLLM's forms)."""
+    if prompt in (None, "", []):  # in the words of vLLM's server (its tests match them)
+        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty "
+                       "('prompt_embeds' are not taken here: send 'prompt' as text or token "
+                       "ids).")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise ApiError(400, f"A request may hold at most {MAX_PROMPTS} prompts; this one "

@@ -39,7 +39,7 @@ from api.batches import answer_all, read_chat_batch
 from api.call import Call, refusal
 from api.completions import CompletionCall, read_completion
 from api.errors import ApiError
-from api.requests import json_body, read, session_key
+from api.requests import json_body, profile_of, read, session_key, with_model_defaults
 from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
@@ -154,7 +154,8 @@ class OpenAIApi:
         try:
             account, session, body = known or await self.read_request(request)
             raw = await request.body()  # read already: its size
-            profile, asked = await off_the_loop(len(raw), read, body, self.config)
+            profile, asked = await off_the_loop(len(raw), read, self.model_defaults(body),
+                                                self.config)
         except ApiError as exc:
             return exc.response()
         calls = []
@@ -195,6 +196,12 @@ class OpenAIApi:
         if asked["stream"]:
             return await call.streamed(asked["include_usage"])
         return await call.whole()
+
+    def model_defaults(self, body: dict) -> dict:
+        """The body with its profile's model's sampling defaults where it leaves them out
+        (api/requests.py)."""
+        profile = profile_of(body, self.config)
+        return with_model_defaults(body, self.engines.model_sampling(profile.name), profile)
 
     async def caller(self, request: Request) -> str | None:
         """Who is asking: the key's account, or None for VCHAT_API_KEY (no account, no

@@ -118,8 +118,10 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
             text = check_message(history[-1].content, limits.message_chars).text
         except ChatError as exc:
             raise ApiError(400, str(exc), code="message_refused") from None
-    max_tokens = given(body, "max_completion_tokens",
-                       given(body, "max_tokens", profile.sampling.max_tokens))
+    # None given: the reply may run to the context's end (as `vllm serve`'s), at most the
+    # profile's limit; the prompt then keeps one token for it while fitting.
+    asked_max = given(body, "max_completion_tokens", given(body, "max_tokens", None))
+    max_tokens = limits.max_tokens if asked_max is None else asked_max
     sampling = sampling_of(body, profile, max_tokens)
     min_tokens_fit(decoding, max_tokens)
     last = history[-1]
@@ -127,6 +129,7 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
                      "new": Message(last.role, text, tool_calls=last.tool_calls,
                                    tool_call_id=last.tool_call_id),
                      "system_prompt": system_prompt, "max_tokens": max_tokens,
+                     "reserve": 1 if asked_max is None else None,
                      "stream": stream, "include_usage": include_usage,
                      "continuous_usage": continuous, "template": template,
                      "return_token_ids": decoding.token_ids and body.get("return_token_ids"),
@@ -148,10 +151,11 @@ def echoed(body: dict, template: dict | None) -> str:
 
 
 def sampling_of(body: dict, profile: Profile, max_tokens) -> dict:
-    """The turn's temperature, top_p and seed (the profile's defaults where not given),
-    each and `max_tokens` held to the profile's bounds."""
-    temperature = given(body, "temperature", profile.sampling.temperature)
-    top_p = given(body, "top_p", profile.sampling.top_p)
+    """The turn's temperature, top_p and seed (1.0 where not given: the body holds the
+    model's own defaults already, `with_model_defaults`), each and `max_tokens` held to the
+    profile's bounds."""
+    temperature = given(body, "temperature", 1.0)
+    top_p = given(body, "top_p", 1.0)
     seed = given(body, "seed", None)
     checks = bounds(profile.limits)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
@@ -159,6 +163,27 @@ def sampling_of(body: dict, profile: Profile, max_tokens) -> dict:
         if value is not None:
             within(checks[name], value, profile)
     return {"temperature": float(temperature), "top_p": float(top_p), "seed": seed}
+
+
+# The model's generation-config fields an API request takes (Engine.model_sampling).
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")
+
+
+def with_model_defaults(body: dict, defaults: dict, profile: Profile) -> dict:
+    """The body with the model's own sampling defaults where it leaves a field out (or
+    null), as `vllm serve` applies its model's generation config; a default outside the
+    profile's bounds is left out (a request that names nothing is never refused for it)."""
+    checks = bounds(profile.limits)
+    filled = dict(body)
+    for name in MODEL_DEFAULTS:
+        if filled.get(name) is None and defaults.get(name) is not None:
+            try:
+                within(checks[name], defaults[name], profile)
+            except ApiError:
+                continue
+            filled[name] = defaults[name]
+    return filled
 
 
 def only_known(body: dict, fields: frozenset) -> None:

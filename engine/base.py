@@ -5,7 +5,9 @@ benchmarks' stand-in (standin.py).
 One surface with one set of errors: `Unavailable` while it cannot serve (not started,
 stopped, out of reach), `Busy` when it is full, `ChatError` for a turn it cannot take. No
 sampling defaults: a turn's temperature and top_p are its profile's, given by the pool,
-so no engine can drift from profiles.yaml.
+so no engine can drift from profiles.yaml. What an engine tells is its model's own
+defaults (`model_sampling`), which the API applies to a request that leaves a field out,
+as `vllm serve` does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Engine(abc.ABC):
     kv_tokens: int | None = None  # tokens its KV cache holds, where it has one to count
     block_size: int = 1  # the cache's unit, in tokens
     metrics = None  # its own Prometheus registry of vLLM's series (metrics.py), if any
+    # The model's sampling defaults (its generation config: temperature, top_p, top_k,
+    # min_p, penalties, max_tokens), once started; empty where it has none or none is known.
+    model_sampling: dict = {}
 
     def __init__(self, preset: str):
         self.preset = preset

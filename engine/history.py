@@ -4,7 +4,9 @@ room the reply gets. The result, a `Prompt`, is the one thing a turn hands the e
 Tokens are counted exactly as the engine will see them (the model's tokenizer and chat
 template, system prompt included). One rule for the context: the prompt may use
 `max_model_len - reserve` tokens, where `reserve` is the reply's `max_tokens` but at most
-half the context, so a prompt always has room; the reply then gets what the prompt leaves,
+half the context, so a prompt always has room (an API request that names no max_tokens
+reserves one token: its reply runs to the context's end, as `vllm serve`'s does, bounded by
+the profile's limit); the reply then gets what the prompt leaves,
 up to `max_tokens` (less only when `max_tokens` is over half the context: `Prompt` says so,
 and the UI tells the user). The system prompt and the newest turns are kept; the oldest
 whole turns (a user message and its reply) are dropped until the rest fits. A new message
@@ -56,9 +58,12 @@ def fit_history(
     max_tokens: int,
     tools: Sequence[dict] | None = None,
     template: dict | None = None,
+    reserve: int | None = None,
 ) -> Prompt:
-    """Keep the newest turns that fit the context with the new message (module docstring)."""
-    reserve = min(max_tokens, max_model_len // 2)
+    """Keep the newest turns that fit the context with the new message (module docstring).
+    `reserve`: the tokens kept for the reply while fitting (default: `max_tokens`, at most
+    half the context); the reply may then run to `max_tokens` or the context's end."""
+    reserve = min(max_tokens, max_model_len // 2) if reserve is None else reserve
     budget = max_model_len - reserve
     history, new = as_messages(history), as_messages([new_message])[0]
     starts = turn_starts(history)

@@ -101,6 +101,7 @@ class PresetEngine(Engine):
             raise
         self._llm, self._built = self._built, None
         self.max_model_len = self._llm.model_config.max_model_len
+        self.model_sampling = dict(self._llm.model_config.get_diff_sampling_param())
         self._formatter = ChatFormatter(self._llm.get_tokenizer())
         self.started_in_s = time.monotonic() - started
         log.info("Engine %r ready in %.1f s (max_model_len %d)", self.preset,

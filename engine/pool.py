@@ -304,14 +304,22 @@ class Engines:
 
     def fit(self, profile: str, history: Sequence[Message], new_message: Message, *,
             system_prompt: str, max_tokens: int, tools: Sequence[dict] | None = None,
-            template: dict | None = None) -> Prompt:
+            template: dict | None = None, reserve: int | None = None) -> Prompt:
         """Fit a conversation to the context of the profile's engine (see history.py), with
         the `tools` it may call described by the model's template (rendered with
-        `template`'s options, an API request's)."""
+        `template`'s options, an API request's); `reserve`: history.py's."""
         engine = self.for_profile(profile)
         return fit_history(engine.formatter, history, new_message, system_prompt=system_prompt,
                            max_model_len=engine.max_model_len, max_tokens=max_tokens,
-                           tools=tools, template=template)
+                           tools=tools, template=template, reserve=reserve)
+
+    def model_sampling(self, profile: str) -> dict:
+        """The sampling defaults of the profile's model (Engine.model_sampling); none while
+        its engine is not serving (the turn is refused then anyway)."""
+        try:
+            return self.for_profile(profile).model_sampling
+        except ChatError:
+            return {}
 
     def refusal_alone(self, profile: str, new_message: Message, *, system_prompt: str,
                       max_tokens: int) -> str | None:

@@ -87,12 +87,12 @@ class Turn:
 
     def fit(self, history: Sequence[Message], new: Message, *, system_prompt: str,
             max_tokens: int, tools: Sequence[dict] | None = None,
-            template: dict | None = None) -> Prompt:
+            template: dict | None = None, reserve: int | None = None) -> Prompt:
         """The conversation fitted to the engine's context (engine/history.py); `template`:
-        the chat template's options an API request gives."""
+        the chat template's options an API request gives; `reserve`: history.py's."""
         self.prompt = self.engines.fit(self.profile, history, new,
                                        system_prompt=system_prompt, max_tokens=max_tokens,
-                                       tools=tools, template=template)
+                                       tools=tools, template=template, reserve=reserve)
         return self.prompt
 
     def take_prompt(self, prompt: str | list[int], max_tokens: int,

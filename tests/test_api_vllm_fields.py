@@ -348,3 +348,53 @@ async def test_a_number_out_of_bounds_names_the_broken_check(server):
         refused = await post(server, {"model": MODEL, "messages": ask("Hi"), "max_tokens": 1,
                                       "seed": seed})
         assert refused.status_code == 400 and check in refused.text
+
+
+def test_the_models_own_sampling_defaults_fill_what_a_request_leaves_out():
+    """As `vllm serve` applies the model's generation config: a field left out or null takes
+    the model's default; one given stays; a default outside the profile's bounds is left
+    out (the request is not refused for what it did not send)."""
+    from api.requests import with_model_defaults
+    from engine import load_config
+
+    profile = load_config().profile(MODEL)
+    qwen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 100}
+    body = {"model": MODEL, "temperature": 0.2, "top_p": None}
+    assert with_model_defaults(body, qwen, profile) == {
+        "model": MODEL, "temperature": 0.2, "top_p": 0.8, "top_k": 20}
+    assert with_model_defaults(body, {}, profile) == body
+    assert with_model_defaults({}, {"temperature": 9.0, "min_p": 0.1}, profile) == \
+        {"min_p": 0.1}
+
+
+async def test_sampling_left_out_is_the_models_default_not_the_profiles(server):
+    """The embedded model names no sampling defaults, so a request without temperature and
+    top_p samples at 1.0 and 1.0 (as `vllm serve`), not the profile's 0.7 and 0.9: with
+    one seed, the draws match the reply asked at 1.0 and differ from the profile's."""
+    async def reply(**sampling) -> str:
+        out = await api(server).chat.completions.create(
+            model=MODEL, messages=ask("Tell me about the sea."), max_tokens=48, seed=11,
+            extra_body={"ignore_eos": True}, **sampling)
+        return out.choices[0].message.content
+
+    left_out = await reply()
+    assert left_out == await reply(temperature=1.0, top_p=1.0)
+    assert left_out != await reply(temperature=0.7, top_p=0.9)
+
+
+async def test_a_reply_without_max_tokens_may_run_to_the_contexts_end(server):
+    """`vllm serve` gives a reply that names no max_tokens the rest of the context; so does
+    the app, up to the profile's limit (Throughput-first: 4,096, over this 2,048 context).
+    The prompt keeps no reply room of its own: one of about 1,900 tokens is taken whole
+    (with the profile's 1,024-token default it was refused)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        sized = (await client.post(server.url + "/tokenize", json={
+            "model": MODEL, "prompt": " harbour" * 100},
+            headers={"Authorization": f"Bearer {KEY}"})).json()
+    context, each = sized["max_model_len"], sized["count"] / 100
+    out = await api(server).chat.completions.create(
+        model=MODEL, messages=ask(" harbour" * int(1900 / each)),
+        extra_body={"ignore_eos": True})
+    assert 1800 < out.usage.prompt_tokens < context - 20
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == context
+    assert out.choices[0].finish_reason == "length"

@@ -260,3 +260,17 @@ async def test_truncate_prompt_tokens_keeps_one_end_of_the_prompt(server):
         refused = await post(server, "/v1/completions", {
             "model": MODEL, "prompt": ids, "max_tokens": 1, **bad})
         assert refused.status_code == 400 and "trunca" in refused.text
+
+
+async def test_a_missing_prompt_is_refused_in_vllms_words(server):
+    """No prompt (and vLLM's empty prompt_embeds, its "none") is a 400 that says so in the
+    words vLLM's server uses, not a refusal of prompt_embeds."""
+    for body in ({"prompt": None, "prompt_embeds": []}, {}, {"prompt": ""}):
+        response = await post(server, "/v1/completions", {"model": MODEL, "max_tokens": 5,
+                                                          **body})
+        assert response.status_code == 400
+        assert "Either prompt or prompt_embeds must be provided and non-empty" in \
+            response.json()["error"]["message"]
+    response = await post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi",
+                                                      "prompt_embeds": "AAAA"})
+    assert response.status_code == 400 and "'prompt_embeds'" in response.json()["error"]["message"]

@@ -37,6 +37,7 @@ SUBSET: list[str] = [
     "completion/test_completion.py::test_completion_truncation_side_controls_prompt_truncation"
     "[facebook/opt-125m]",
     "test_return_token_ids.py::test_chat_completion_with_emoji_and_token_ids",
+    "completion/test_prompt_validation.py::test_empty_prompt",
 ]
 
 
