@@ -1,0 +1,163 @@
+"""The app's parts, built once when Chainlit imports app.py: the engines, the store, the
+login rules, the guards on what clients send, the operator's routes, the API and the
+chat's turns, each given what it needs. app.py's hooks use them; nothing here is a hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+from chainlit.oauth_providers import get_configured_oauth_providers
+
+from api.openai import OpenAIApi
+from api.ops import Ops
+from chat import forget
+from chat.downloads import Downloads
+from chat.front_ends import SessionRouting
+from chat.guard import Guard
+from chat.invites import InvitePage, OpenDemo
+from chat.logins import Logins, slow_failing_addresses
+from chat.sso import HeaderLogin, SingleSignOn
+from chat.streaming import Pace
+from chat.turns import Turns, reply_room
+from chat.view import page_notice
+from engine import ConfigError, Engines, load_config
+from engine.config import Config
+from engine.settings import check_all, setting
+from service import front_ends, loop
+from service.shutdown import Shutdown
+from service.turn_metrics import JsonLines, TurnMetrics
+from store.accounts import Accounts, AddressThrottle
+from store.admission import Admission
+from store.api_keys import ApiKeys
+from store.data_layer import ChatDataLayer
+from store.guests import Guests
+from store.invites import Invites
+from store.schema import database_url
+from store.sessions import LoginSessions
+from store.setup import auth_secret, data_dir
+from store.usage import Usage
+
+log = logging.getLogger("app")
+
+
+@dataclass
+class Parts:
+    config: Config
+    engines: Engines
+    pace: Pace  # a reply's updates at most this often (chat/streaming.py)
+    shutdown: Shutdown  # on SIGTERM, turns in flight get the grace to finish
+    store: ChatDataLayer
+    accounts: Accounts
+    usage: Usage
+    logins: Logins
+    password_login: bool
+    sso: SingleSignOn
+    oidc: bool
+    header_login: HeaderLogin | None
+    guests: Guests
+    guard: Guard
+    turn_metrics: TurnMetrics
+    loop_lag: loop.LoopLag
+    gc_pauses: loop.GcPauses
+    turns: Turns
+    settling: set[asyncio.Task]  # the start's background tasks, referenced till done
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A remote preset's HTTP clients (engine/remote.py) would log every request.
+    for client_log in ("httpx", "httpx2"):
+        logging.getLogger(client_log).setLevel(logging.WARNING)
+
+
+def build(http, sio, chainlit_config) -> Parts:
+    """Every part, its routes and middleware added to Chainlit's server `http`; a
+    configuration mistake raises ConfigError or ValueError."""
+    check_all()  # every environment variable the app reads, before anything starts
+    # The server's loop and asyncio's C tasks, before Chainlit starts it (service/loop.py).
+    loop.own_loop(setting("VCHAT_EVENT_LOOP"))
+    config = load_config()
+    engines = Engines(config)
+    ignore_eos = setting("VCHAT_BENCH_IGNORE_EOS")  # benchmarks: replies run to max_tokens
+    # At the CPU's pace until the engines know their device (app.py settle_after_start).
+    pace = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)
+    shutdown = Shutdown(setting("VCHAT_SHUTDOWN_GRACE_S"))
+    # The data folder's database (or DATABASE_URL); the login tokens' secret kept there
+    # unless the environment gives one (store/setup.py).
+    folder = data_dir()
+    if setting("DATABASE_URL") and not setting("CHAINLIT_AUTH_SECRET"):
+        log.warning("DATABASE_URL is set but CHAINLIT_AUTH_SECRET is not: this replica signs "
+                    "logins with its data folder's secret, which replicas on other hosts do "
+                    "not share (their users would be logged out when the proxy moves them)")
+    os.environ["CHAINLIT_AUTH_SECRET"] = auth_secret(folder)
+    store = ChatDataLayer(database_url(folder))
+    accounts = Accounts(store.engine)
+    usage = Usage(store.engine)
+    slow_failing_addresses(http, AddressThrottle(store.engine))
+    # A login token works while its session in the database is live (chat/logins.py).
+    logins = Logins(LoginSessions(store.engine, store.reader),
+                    chainlit_config.project.user_session_timeout)
+    # Who may log in: the password form, OpenID Connect when Chainlit's OAUTH_GENERIC_* are
+    # set, a sign-in proxy's header when VCHAT_HEADER_AUTH is (chat/sso.py).
+    password_login = setting("VCHAT_PASSWORD_LOGIN")
+    sso = SingleSignOn(accounts, logins.open)
+    oidc = bool(get_configured_oauth_providers())
+    header_login = HeaderLogin.from_settings(sso)
+    if not (password_login or oidc or header_login):
+        raise ConfigError("environment", "VCHAT_PASSWORD_LOGIN", "with the password form off,"
+                          " set up single sign-on (OAUTH_GENERIC_*) or VCHAT_HEADER_AUTH, or "
+                          "nobody can log in")
+    if header_login:
+        header_login.install(http)
+    # A demo's guests: their chats capped, and gone after the retention.
+    guests = Guests(store.engine, setting("VCHAT_GUEST_CHATS"),
+                    setting("VCHAT_GUEST_RETENTION_DAYS"),
+                    setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS"),
+                    setting("VCHAT_GUEST_TURNS_PER_MINUTE"),
+                    setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE"))
+    admission = Admission(store.engine, guests.limits, store.reader)
+    # What clients send checked where it enters (chat/guard.py); `turns` is bound below.
+    guard = Guard(logins, store, sharing=chainlit_config.features.allow_thread_sharing,
+                  admission=admission, reply_room=reply_room,
+                  refusal_of=lambda session, text: turns.refusal_of(session, text))
+    guard.install(http, sio, chainlit_config.project.allow_origins,
+                  api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
+    # One of several processes sharing each engine's core (service/front_ends.py): calls
+    # naming a chat session reach the one holding it, and pages use WebSockets only.
+    front_end = front_ends.current()
+    if front_end is not None and front_end.count > 1:
+        http.add_middleware(SessionRouting, front=front_end)
+        chainlit_config.project.transports = ["websocket"]
+    # VCHAT_DEMO=open: anyone who opens the page chats as a guest, under a demo banner.
+    demo = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY"),
+                    setting("VCHAT_DEMO_GUESTS_PER_ADDRESS")) \
+        if setting("VCHAT_DEMO") == "open" else None
+    ops = Ops(engines, shutdown, store, page_notice if demo is None else (
+        lambda status: page_notice(status) or demo.banner(guests.retention_days)), front_end)
+    http.include_router(ops.router)  # /ready, /notice, /metrics
+    http.include_router(Downloads(store.engine).router)  # /export/chats[/ID]
+    joining = InvitePage(Invites(store.engine), setting("VCHAT_GUEST_LOGIN_HOURS") * 3600,
+                         chainlit_config.ui.name, setting("VCHAT_GUEST_DAILY_TOKENS"), demo,
+                         setting("VCHAT_GUEST_JOINS_PER_ADDRESS"))
+    http.include_router(joining.router)  # /invite/TOKEN
+    if demo is not None:
+        joining.send_visitors_to_the_demo(http, logins.live_token)
+    turn_metrics = TurnMetrics(ops.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
+    forget.report_to(turn_metrics.sessions_held)
+    api = OpenAIApi(engines, config, turn_metrics, ApiKeys(store.engine).account_of,
+                    setting("VCHAT_API_KEY"), usage, admission, ignore_eos=ignore_eos)
+    http.include_router(api.router)  # /v1
+    turns = Turns(engines, turn_metrics, shutdown, store, pace, usage, guard.hold,
+                  ignore_eos=ignore_eos)
+    if setting("VCHAT_LOG_FORMAT") == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
+    return Parts(config, engines, pace, shutdown, store, accounts, usage, logins,
+                 password_login, sso, oidc, header_login, guests, guard, turn_metrics,
+                 loop.LoopLag(turn_metrics.loop_lag.observe),
+                 loop.GcPauses(turn_metrics.gc_paused), turns, set())
