@@ -25,7 +25,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from .launch import EngineSetup, process_env
+from .launch import EngineSetup, importable_here, neutral_main, process_env
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,6 @@ class Cores:
         links: list[dict[str, Link]] = [{} for _ in range(count)]
         with contextlib.ExitStack() as waits:
             for engine, setup in engines.items():
-                from .llm import importable_here, neutral_main
-
                 # The core's processes start here, seeing the engine's environment.
                 with process_env(setup.env), neutral_main(), importable_here():
                     manager, clients, listeners = _launch(waits, setup, engine, count)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,7 +192,7 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
         # vLLM forks its engine process while CUDA is untouched; a fork inherits Chainlit's
         # modules, whose lazy attributes break torch.compile's cache pickling there
-        # (KeyError: 'torch'). Spawned, the process starts clean (llm.neutral_main).
+        # (KeyError: 'torch'). Spawned, the process starts clean (neutral_main).
         return EngineSetup(args, {"VLLM_WORKER_MULTIPROC_METHOD": env.get(
             "VLLM_WORKER_MULTIPROC_METHOD", "spawn"), **compile_caches(env), **devices})
     args["kv_cache_memory_bytes"] = int(config.memory.cpu_kv_cache_gib * preset.memory_share
@@ -272,3 +274,41 @@ def cpu_thread_env(env: Mapping[str, str], cores: int) -> dict[str, str]:
             k in env for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")):
         return {}
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@contextlib.contextmanager
+def neutral_main():
+    """Hide the parent's `__main__` from processes spawned inside this block.
+
+    vLLM starts its EngineCore with multiprocessing's `spawn`, which re-imports the
+    parent's main module in the child. Under `chainlit run app.py` that module is
+    Chainlit's CLI; the child then imports Chainlit, and vLLM's CPU worker, which scans
+    every loaded module, trips over Chainlit's context proxy and dies. The engine process
+    needs nothing from our main module, so during start-up `__main__` is a blank module:
+    spawn then re-imports nothing. Scripts without a main guard work for the same reason.
+    """
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real
+
+
+@contextlib.contextmanager
+def importable_here():
+    """This project's folder on the import path of processes started inside this block.
+
+    A shared engine's scheduler (engine/scheduler.py) is loaded by name in vLLM's engine
+    process, which takes the import path this process has when it starts. `chainlit run`
+    puts the app's folder on that path only while it loads app.py, so here it is put back
+    for the start."""
+    root = str(Path(__file__).resolve().parent.parent)
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        if added and root in sys.path:
+            sys.path.remove(root)

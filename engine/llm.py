@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 import time
-import types
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -26,49 +23,11 @@ from .cores import link_of, vllm_config_of
 from .decoding import Decoding, Piece, piece_of, prompt_logprobs_of
 from .errors import ChatError, Unavailable
 from .history import Prompt, check_fits
-from .launch import EngineSetup, process_env
+from .launch import EngineSetup, importable_here, neutral_main, process_env
 from .metrics import engine_series
 from .stats import FIRST_TOKEN_LEGS, TurnStats
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def neutral_main():
-    """Hide the parent's `__main__` from processes spawned inside this block.
-
-    vLLM starts its EngineCore with multiprocessing's `spawn`, which re-imports the
-    parent's main module in the child. Under `chainlit run app.py` that module is
-    Chainlit's CLI; the child then imports Chainlit, and vLLM's CPU worker, which scans
-    every loaded module, trips over Chainlit's context proxy and dies. The engine process
-    needs nothing from our main module, so during start-up `__main__` is a blank module:
-    spawn then re-imports nothing. Scripts without a main guard work for the same reason.
-    """
-    real = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = real
-
-
-@contextlib.contextmanager
-def importable_here():
-    """This project's folder on the import path of processes started inside this block.
-
-    A shared engine's scheduler (engine/scheduler.py) is loaded by name in vLLM's engine
-    process, which takes the import path this process has when it starts. `chainlit run`
-    puts the app's folder on that path only while it loads app.py, so here it is put back
-    for the start."""
-    root = str(Path(__file__).resolve().parent.parent)
-    added = root not in sys.path
-    if added:
-        sys.path.insert(0, root)
-    try:
-        yield
-    finally:
-        if added and root in sys.path:
-            sys.path.remove(root)
 
 
 class PresetEngine(Engine):
