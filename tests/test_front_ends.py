@@ -215,8 +215,21 @@ async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):
     family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
     os.kill(pid, signal.SIGKILL)
     assert server.proc.wait(timeout=90) == 1
-    time.sleep(2)
-    left = [p for p in family if psutil.pid_exists(p) and
-            psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert left == [], [psutil.Process(p).cmdline() for p in left]
+    deadline = time.monotonic() + 30  # the launcher's children end after it: polled
+    while (left := alive(family)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert left == [], [" ".join(p.cmdline()) for p in left]
     assert "front end front-end-1 (status -9) stopped" in server.log()
+
+
+def alive(pids: list[int]) -> list[psutil.Process]:
+    """Those of `pids` still running (not gone, not a zombie)."""
+    running = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return running
