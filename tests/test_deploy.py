@@ -218,13 +218,17 @@ async def test_first_logins_slow_downs_and_quotas_hold_across_replicas(site, db)
         store_command(site.replicas[1], "users", "quota", "bob", "none")
 
 
-async def turns_of(db, chat_id: str) -> list:
-    """The chat's finished turns' token counts, as stored (each replica writes its turns'
-    costs once a second)."""
-    await asyncio.sleep(2)
-    used = await rows(db, 'SELECT "promptTokens", "replyTokens", "stopped" FROM usage '
-                          'WHERE "threadId" = :t ORDER BY "createdAt"', t=chat_id)
-    return [u for u in used if not u.stopped]
+async def turns_of(db, chat_id: str, count: int) -> list:
+    """The chat's finished turns' token counts, as stored, once `count` of them are (each
+    replica writes its turns' costs within a second): polled, up to 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        used = await rows(db, 'SELECT "promptTokens", "replyTokens", "stopped" FROM usage '
+                              'WHERE "threadId" = :t ORDER BY "createdAt"', t=chat_id)
+        done = [u for u in used if not u.stopped]
+        if len(done) >= count or time.monotonic() > deadline:
+            return done
+        await asyncio.sleep(0.2)
 
 
 async def test_in_a_browser_the_page_of_a_killed_replica_goes_on_with_its_chat(site, db):
@@ -260,7 +264,7 @@ async def test_in_a_browser_the_page_of_a_killed_replica_goes_on_with_its_chat(s
         assert (await watch_reply(visit, await send(visit, "Tell me more.")))[-1]
         assert await page.locator(USER).count() == 2, "the page kept the first turn"
         await browser.close()
-    first, second = await turns_of(db, chat_id)
+    first, second = await turns_of(db, chat_id, 2)
     assert second.promptTokens > first.promptTokens + first.replyTokens
     await site.restart_replica(1)
     again = client(site, 1, user="erin")
@@ -278,7 +282,7 @@ async def test_a_replica_killed_mid_reply_its_page_goes_on_with_the_chat_on_the_
     chat_id = (await threads(None, carol))[0]["id"]
     # Its cost stored before the kill: a replica writes costs once a second, and a kill
     # within that second loses them (the README says so), which is not what this tests.
-    assert len(await turns_of(db, chat_id)) == 1
+    assert len(await turns_of(db, chat_id, 1)) == 1
     await carol.settings(max_tokens=2000)
     start = len(carol.events)
     await carol.emit_message("Write a very long story about a lighthouse, in many chapters.")
@@ -296,7 +300,7 @@ async def test_a_replica_killed_mid_reply_its_page_goes_on_with_the_chat_on_the_
     assert steps[0] == "Hello there." and steps[-1] == "Just say hi again."
     assert "taken over by this process with 1 turns" in site.replicas[1].log()
     # The next turn had the whole history: its prompt holds the first turn's.
-    first, third = await turns_of(db, chat_id)
+    first, third = await turns_of(db, chat_id, 2)
     assert third.promptTokens > first.promptTokens + first.replyTokens
     await carol.close()
 
