@@ -202,11 +202,15 @@ async def test_first_logins_slow_downs_and_quotas_hold_across_replicas(site, db)
     assert "at most 1 tokens a day" in store_command(site.replicas[1], "users", "quota",
                                                      "bob", "1")
     try:
+        stored = len(await stored_turns(db, "bob"))
         spender = client(site, 0, user="bob")
         await spender.connect()
         assert (await spender.send("Spend my tokens.")).shown
         await spender.close()
-        await asyncio.sleep(2)  # the replica writes what turns cost once a second
+        deadline = time.monotonic() + 30  # the replica writes what turns cost within a second
+        while len(await stored_turns(db, "bob")) <= stored:
+            assert time.monotonic() < deadline, "bob's turn was never stored"
+            await asyncio.sleep(0.2)
         other = client(site, 1, user="bob")
         await other.connect()
         start = len(other.events)
@@ -216,6 +220,12 @@ async def test_first_logins_slow_downs_and_quotas_hold_across_replicas(site, db)
         await other.close()
     finally:
         store_command(site.replicas[1], "users", "quota", "bob", "none")
+
+
+async def stored_turns(db, who: str) -> list:
+    """The account's turns whose cost is written (not the pending rows of turns running)."""
+    return await rows(db, 'SELECT 1 FROM usage WHERE "identifier" = :i AND NOT "pending"',
+                      i=who)
 
 
 async def turns_of(db, chat_id: str, count: int) -> list:
