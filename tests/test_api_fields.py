@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import time
 
 import httpx
 import openai
@@ -34,6 +33,7 @@ from engine.limits import SEED_MAX
 from engine.model import resolve_model
 from tests.test_accounts import add_user, store_command
 from tools.chainlit_client import ROOT, TEST_ENV, Server
+from tools.polling import until
 
 KEY = "operator-key-for-field-tests-0123"
 MODEL = "Throughput-first"
@@ -347,14 +347,15 @@ async def test_an_account_over_its_quota_is_refused_on_both_routes(servers):
     key = store_command(app, "keys", "add", "quota-user").strip().splitlines()[-1]
     client = openai.AsyncOpenAI(base_url=app.url + "/v1", api_key=key, max_retries=0)
     await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)  # spends it
-    deadline = time.monotonic() + 30
-    while True:  # refused once the cost row is written (store/usage.py FLUSH_S)
+
+    async def refused() -> bool:  # once the cost row is written (store/usage.py FLUSH_S)
         try:
             await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
         except openai.RateLimitError:
-            break
-        assert time.monotonic() < deadline, "the spent quota was never refused"
-        await asyncio.sleep(0.2)
+            return True
+        return False
+
+    assert await until(refused, bool), "the spent quota was never refused"
     for call in (client.completions.create(model=MODEL, prompt="Hi", max_tokens=4),
                  client.chat.completions.create(model=MODEL, messages=ask("Hi"),
                                                 max_tokens=4)):
@@ -407,14 +408,11 @@ async def test_every_reply_of_a_stopped_request_counts_in_its_usage(servers):
                         texts[choice["index"]] += choice["delta"].get("content") or ""
                 if all(len(t) > 100 for t in texts):
                     break  # the client goes away: the request is stopped
-    deadline = time.monotonic() + 30
-    while True:  # the stop seen (the app polls for a gone client) and its cost written
-        report = json.loads(store_command(app, "usage", "--json"))
-        line = next((r for r in report if r["identifier"] == "n-user"), None)
-        if (line and line["turns"] == 1) or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert line is not None, report
+    # The stop seen (the app polls for a gone client) and its cost written.
+    line = await until(lambda: next((r for r in json.loads(store_command(
+        app, "usage", "--json")) if r["identifier"] == "n-user"), None),
+        lambda line: line is not None and line["turns"] == 1)
+    assert line is not None
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(load_config().model))
     received = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     assert line["stopped"] == 1 and line["turns"] == 1

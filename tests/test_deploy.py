@@ -29,6 +29,7 @@ from chat.view import CUT_OFF
 from tools.chainlit_client import TEST_USER, ChatClient
 from tools.deployment import Deployment, haproxy_binary
 from tools.header_log import read
+from tools.polling import until
 from tools.postgres import Postgres, binaries
 
 # Skipped only where one is missing and not required (.ci/run installs Debian's postgresql
@@ -207,10 +208,9 @@ async def test_first_logins_slow_downs_and_quotas_hold_across_replicas(site, db)
         await spender.connect()
         assert (await spender.send("Spend my tokens.")).shown
         await spender.close()
-        deadline = time.monotonic() + 30  # the replica writes what turns cost within a second
-        while len(await stored_turns(db, "bob")) <= stored:
-            assert time.monotonic() < deadline, "bob's turn was never stored"
-            await asyncio.sleep(0.2)
+        # The replica writes what turns cost within a second.
+        assert len(await until(lambda: stored_turns(db, "bob"),
+                               lambda done: len(done) > stored)) > stored, "never stored"
         other = client(site, 1, user="bob")
         await other.connect()
         start = len(other.events)
@@ -230,15 +230,13 @@ async def stored_turns(db, who: str) -> list:
 
 async def turns_of(db, chat_id: str, count: int) -> list:
     """The chat's finished turns' token counts, as stored, once `count` of them are (each
-    replica writes its turns' costs within a second): polled, up to 30 s."""
-    deadline = time.monotonic() + 30
-    while True:
+    replica writes its turns' costs within a second)."""
+    async def finished() -> list:
         used = await rows(db, 'SELECT "promptTokens", "replyTokens", "stopped" FROM usage '
                               'WHERE "threadId" = :t ORDER BY "createdAt"', t=chat_id)
-        done = [u for u in used if not u.stopped]
-        if len(done) >= count or time.monotonic() > deadline:
-            return done
-        await asyncio.sleep(0.2)
+        return [u for u in used if not u.stopped]
+
+    return await until(finished, lambda done: len(done) >= count)
 
 
 async def test_in_a_browser_the_page_of_a_killed_replica_goes_on_with_its_chat(site, db):

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -22,6 +21,7 @@ from bench import turn_log
 from chat.turns import REGENERATE
 from tests.test_accounts import add_user
 from tools.chainlit_client import ROOT, ChatClient, Server, engine_of, serving
+from tools.polling import until
 
 COUNT = 2
 
@@ -215,9 +215,7 @@ async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):
     family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
     os.kill(pid, signal.SIGKILL)
     assert server.proc.wait(timeout=90) == 1
-    deadline = time.monotonic() + 30  # the launcher's children end after it: polled
-    while (left := alive(family)) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    left = await until(lambda: alive(family), lambda left: not left)  # they end after it
     assert left == [], [" ".join(p.cmdline()) for p in left]
     assert "front end front-end-1 (status -9) stopped" in server.log()
 

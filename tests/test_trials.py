@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import date, timedelta
@@ -21,6 +20,7 @@ from tests.test_accounts import (STAND_IN, add_user, database_env, store_command
                                  thread_steps, threads)
 from tests.test_invites import join, link_token
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, Server, serving
+from tools.polling import until
 
 ALICE, BOB, CAROL = ("alice", "alice's password"), ("bob", "bob's password"), \
     ("carol", "carol's password")
@@ -43,16 +43,13 @@ def client(site: Site, who: tuple[str, str]) -> ChatClient:
     return ChatClient(site.server.url, "Latency-first", user=who[0], password=who[1])
 
 
-async def usage_of(site: Site, who: str, until) -> dict:
-    """`store usage --json`'s lines for `who` by profile, once `until(lines)` holds (a turn's
+async def usage_of(site: Site, who: str, done) -> dict:
+    """`store usage --json`'s lines for `who` by profile, once `done(lines)` holds (a turn's
     row is written as it ends, without holding it up)."""
-    deadline = time.monotonic() + 30
-    while True:
-        lines = {line["profile"]: line for line in json.loads(store_command(site.server, "usage", "--json"))
-                 if line["identifier"] == who}
-        if until(lines) or time.monotonic() > deadline:
-            return lines
-        await asyncio.sleep(0.5)
+    return await until(lambda: {
+        line["profile"]: line for line in json.loads(store_command(site.server, "usage",
+                                                                   "--json"))
+        if line["identifier"] == who}, done)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
