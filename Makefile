@@ -16,11 +16,11 @@ model: setup
 	@$(PY) -m engine prepare
 
 # One app process (`chainlit run app.py`), or with a GPU several sharing each engine's core
-# (service/front_ends.py; VCHAT_FRONT_ENDS).
+# (launcher.py; VCHAT_FRONT_ENDS).
 run: model
-	$(PY) -m service.front_ends --host $(HOST) --port $(PORT)
+	$(PY) -m launcher --host $(HOST) --port $(PORT)
 
-# vLLM's own OpenAI-server test files (tests/test_conformance.py runs a few of them) are
+# vLLM's own OpenAI-server test files (tests/test_api_conformance.py runs a few of them) are
 # fetched first, into .cache/vllm-tests; without network those tests are skipped.
 test: model
 	-@$(PY) -m tools.conformance fetch > /dev/null

@@ -20,19 +20,18 @@ from chainlit.server import sio
 from chainlit.types import ThreadDict
 
 from chat import patches, stalls
+from chat.data_layer import ChatDataLayer
 from chat.panel import settings_panel
 from chat.resume import Resuming, session_profile
 from chat.session import Conversation
 from chat.streaming import Pace
 from chat.turns import REGENERATE, user_name
-from chat.view import CLOSING, RANDOM_WEIGHTS, STAND_IN
+from chat.view import RANDOM_WEIGHTS, STAND_IN
 from chat.wiring import build, configure_logging
 from engine import ChatError, ConfigError, Message
 from engine.settings import setting
 from service import loop
-from service.input import check_message
-from service.turn_metrics import TurnRecord
-from store.data_layer import ChatDataLayer
+from service.admission import Refusal
 from store.schema import migrate
 from store.setup import first_admin
 
@@ -166,21 +165,13 @@ async def on_message(message: cl.Message) -> None:
     arrival = APP.guard.arrival(cl.context.session.id)  # taken whatever happens to it
     hold = APP.guard.hold(cl.context.session.id)  # its place in the account's limits, likewise
     conv: Conversation = cl.user_session.get("conversation")
-    if APP.shutdown.closing:
-        APP.turns.give_back(hold)
-        APP.turn_metrics.refuse(TurnRecord("refused", user_name(), conv.profile.name,
-                                           reason="closing", message=message.content))
-        await cl.Message(content=CLOSING).send()
-        return
     if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
         log.info("message edited: %d turns leave the history", dropped)
-    try:
-        checked = check_message(message.content, conv.profile.limits.message_chars)
-        conv.begin_turn()
-    except ChatError as exc:  # refused: nothing is stored, the chat goes on
+    try:  # chat/guard.py asked the rest before Chainlit stored the message
+        checked = APP.gate.message(message.content, conv.profile, user=user_name())
+        APP.gate.start(user_name(), conv.profile.name, conv.pace, message.content)
+    except Refusal as exc:  # refused: nothing is stored, the chat goes on
         APP.turns.give_back(hold)
-        APP.turn_metrics.refuse(TurnRecord("refused", user_name(), conv.profile.name,
-                                           reason="message", message=message.content[:1000]))
         await cl.Message(content=str(exc)).send()
         return
     await APP.turns.take(conv, Message("user", checked.text), message.id, checked.notice,

@@ -18,7 +18,7 @@ metrics and per-turn log lines (service/turn_metrics.py). Every request needs a 
 (`Authorization: Bearer ...`): the operator's `VCHAT_API_KEY`, or an account's key
 (`python -m store keys add NAME`); keys never reach the log. A client that goes away
 mid-reply aborts its request in the engine. Errors come in OpenAI's shape:
-{"error": {"message", "type", "code"}}, for every bad input a 4xx (issue 26 found 500s).
+{"error": {"message", "type", "code"}}, for every bad input a 4xx, never a 500.
 
 A request is read and checked in api/requests.py; a large one is read and fitted in a
 worker thread, and only the newest turns that can fit are tokenized (engine/history.py), so
@@ -43,9 +43,9 @@ from api.requests import json_body, profile_of, read, session_key, with_model_de
 from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
+from service.admission import Gate, Refusal
 from service.turn import Turn
 from service.turn_metrics import TurnMetrics
-from store.admission import Admission
 from store.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ INLINE_BYTES = 64 * 1024  # larger requests are read and fitted in a worker thre
 
 async def off_the_loop(size: int, work, *args):
     """`work(*args)`, in a worker thread for a large request: reading and fitting a
-    history of megabytes on the event loop stalled every user's stream (issue 26)."""
+    history of megabytes on the event loop stalls every user's stream."""
     if size <= INLINE_BYTES:
         return work(*args)
     return await asyncio.to_thread(work, *args)
@@ -69,11 +69,13 @@ class OpenAIApi:
 
     def __init__(self, engines: Engines, config: Config, turns: TurnMetrics,
                  account_of: Callable[[str], Awaitable[str | None]],
-                 operator_key: str | None, usage: Usage, admission: Admission,
+                 operator_key: str | None, usage: Usage, gate: Gate,
                  ignore_eos: bool = False):
         self.engines, self.config, self.turns = engines, config, turns
         self.usage = usage  # each turn's cost stored (store/usage.py)
-        self.admission = admission  # an account's quota, decided as its turn is taken
+        # May a request's turns start: the app not shutting down, the account's quota
+        # decided as each turn's place is taken (service/admission.py).
+        self.gate = gate
         self.account_of, self.operator_key = account_of, operator_key
         self.ignore_eos = ignore_eos  # benchmarks only, as in the chat (VCHAT_BENCH_IGNORE_EOS)
         self.router = APIRouter()
@@ -179,17 +181,20 @@ class OpenAIApi:
         # Every turn's place is taken before any runs, and a refusal gives back the places
         # already taken: a request is admitted whole or not at all, each step decided in
         # one (store/admission.py), so requests at the same moment cannot pass the quota.
-        for call in calls:
-            decoding = call.asked.get("decoding")
-            refused, call.turn.hold = await self.admission.refusal(
-                account, profile=profile.name, source="api", thread_id=None,
-                reserve=call.prompt.prompt_tokens + (decoding.n if decoding else 1)
-                * call.prompt.max_tokens)
-            if refused:
-                for each in calls:
-                    each.turn.end(ChatError(refused))
-                return ApiError(429, refused, "insufficient_quota",
-                                "quota_exceeded").response()
+        try:
+            self.gate.start(account, profile.name, count=False)  # each turn's end counts it
+            for call in calls:
+                decoding = call.asked.get("decoding")
+                call.turn.hold = await self.gate.place(
+                    account, profile=profile.name, source="api",
+                    reserve=call.prompt.prompt_tokens + (decoding.n if decoding else 1)
+                    * call.prompt.max_tokens, count=False)
+        except Refusal as exc:
+            for each in calls:
+                each.turn.end(exc)
+            return (ApiError(503, str(exc), "server_error", "unavailable")
+                    if exc.reason == "closing" else
+                    ApiError(429, str(exc), "insufficient_quota", "quota_exceeded")).response()
         if len(calls) > 1:
             return await answer_all(calls)
         call = calls[0]

@@ -3,7 +3,7 @@
     GET /ready    readiness: 200 once every engine is up, 503 while starting, stopping or
                   after a failure, with each engine's health, seats and line, the turns in
                   flight, and whether the database answers and which writes it refused;
-                  with several front ends (service/front_ends.py), which one answered,
+                  with several front ends (launcher.py), which one answered,
                   each one's status, and 200 only when every one is ready
     GET /notice   what every open page says above the chat about the engines' state
                   (public/model-status.js): always 200

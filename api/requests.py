@@ -1,7 +1,7 @@
 """An OpenAI chat completion request read and checked against a chat profile's limits,
 for api/openai.py: what it asks for, or an `ApiError` saying in OpenAI's error shape what
-is wrong (always a 4xx: issue 26 found 500s for `top_p: 0`, a text `stream_options`, a body
-nested 100,000 deep).
+is wrong (always a 4xx, never a 500: for `top_p: 0`, a text `stream_options`, a body nested
+100,000 deep alike).
 
 Each message is held to the profile's `message_chars`, their number to MAX_MESSAGES (the
 body is bounded before it is read: VCHAT_API_MAX_BODY_MB, chat/guard.py). A field given as

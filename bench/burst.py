@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from bench import turn_log
+from tools import turn_log
 from bench.cli import whole_number
 from bench.metrics import spread
 from bench.ui_ceiling import PROFILE, all_at_once

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tools.sockets import socket_server
 
 
 class TurnCounter:
@@ -104,7 +105,7 @@ async def login_checks(folder: Path):
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from store.accounts import Accounts
-    from store.data_layer import ChatDataLayer
+    from chat.data_layer import ChatDataLayer
     from store.schema import Reader, _sqlite_reader_settings, migrate
     from store.sessions import LoginSessions
 
@@ -124,24 +125,6 @@ async def login_checks(folder: Path):
         await threads.dispose()
         await layer.close()
     return {name: (lambda s=s: s.is_live(session, "alice")) for name, s in ways.items()}, close
-
-
-async def socket_server(in_line: bool):
-    """A real python-socketio server with one connected socket (its Engine.IO socket real,
-    its transport left out: what is sent waits on the socket's queue); `in_line`: with
-    chat/emits.py installed."""
-    import socketio
-    from engineio.async_socket import AsyncSocket
-
-    from chat import emits
-
-    sio = socketio.AsyncServer(async_mode="asgi")
-    if in_line:
-        emits.install(sio)
-    eio_socket = AsyncSocket(sio.eio, "eio-1")
-    sio.eio.sockets["eio-1"] = eio_socket
-    sid = await sio.manager.connect("eio-1", "/")
-    return sio, sid, eio_socket
 
 
 async def socket_emits():

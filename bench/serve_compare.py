@@ -9,7 +9,7 @@
 
 The app serves one preset (bench.run.single_preset_profiles: its memory share 1.0) and the
 plain vLLM server gets exactly that engine's arguments (engine/launch.py engine_setup,
-checked through the server's own parser: bench/vllm_server.py), so the only difference is
+checked through the server's own parser: tools/vllm_server.py), so the only difference is
 the serving layer. All servers stay up; one side runs at a time (an idle engine costs
 ~0.01 core). The sides take turns in neighbouring pairs, A B, B A, A B, ...; each pair gives
 a ratio, and the figure is the median of the pairs' ratios. Writes
@@ -123,7 +123,7 @@ class Sides:
 
     async def start(self) -> None:
         """One after the other: on a GPU vLLM measures free memory at start."""
-        from bench.vllm_server import VllmServer
+        from tools.vllm_server import VllmServer
         from tools.chainlit_client import TEST_PASSWORD, Server
 
         eager = "1" if self.setup.args.get("enforce_eager") else "0"
@@ -151,7 +151,7 @@ class Sides:
 
     async def api_run(self, side: str, seed: int, num_prompts: int, output_len: int) -> dict:
         """One run of vLLM's benchmark client against `side` ("app" or "vllm")."""
-        from bench.vllm_server import bench_serve
+        from tools.vllm_server import bench_serve
 
         a = self.args
         url, name = ((self.app.url, self.profile.name) if side == "app"

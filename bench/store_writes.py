@@ -1,7 +1,7 @@
 """What the stored chat costs a burst of turns: N turns at once, each writing what
 Chainlit writes for a turn (the user's message, the `on_message` run step, the reply when
 it starts streaming; after a second of streaming, the finished reply and the run step),
-through store/data_layer.py into a new SQLite database (or DATABASE_URL's).
+through chat/data_layer.py into a new SQLite database (or DATABASE_URL's).
 
     .venv/bin/python -m bench.store_writes --turns 256
 
@@ -22,8 +22,8 @@ from chainlit.context import init_http_context
 from chainlit.user import User
 
 from bench.metrics import spread
-from service.clock import CLOCK
-from store.data_layer import ChatDataLayer
+from chat.clock import CLOCK
+from chat.data_layer import ChatDataLayer
 from store.schema import database_url, migrate
 
 STREAMING_S = 1.0

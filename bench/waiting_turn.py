@@ -16,10 +16,10 @@ import json
 import os
 import statistics
 import time
-import uuid
 from pathlib import Path
 
 from engine import Engines, Message, load_config
+from tools.engine_requests import generate
 
 SHARED = "latency-first+throughput-first"
 LF_TOKENS = 16
@@ -28,19 +28,6 @@ LF_TOKENS = 16
 def prompt_of(pool: Engines, profile: str, max_tokens: int):
     return pool.fit(profile, [], Message("user", "Tell me about the sea."), max_tokens=max_tokens,
                     system_prompt=pool.config.profile(profile).system_prompt)
-
-
-async def generate(llm, prompt, max_tokens: int, priority: int, counts: dict, key) -> None:
-    """One request on vLLM's engine, counting its tokens into counts[key] as they come."""
-    from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.7,
-                            top_p=0.9, output_kind=RequestOutputKind.DELTA)
-    counts[key] = 0
-    async for out in llm.generate(TokensPrompt(prompt_token_ids=prompt.token_ids), params,
-                                  f"wait-{uuid.uuid4().hex}", priority=priority):
-        counts[key] += len(out.outputs[0].token_ids)
 
 
 async def one_run(pool: Engines, lower: int, lower_reply: int, give_up_s: float) -> dict:

@@ -1,4 +1,4 @@
-"""A chat session's messages leave the process with the session (issue 27).
+"""A chat session's messages leave the process with the session.
 
 Chainlit 2.12 keeps every session's messages in `chat_contexts` (session id -> its
 `Message` objects) and never removes the entry: deleting a session (a browser's "New

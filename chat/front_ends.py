@@ -1,5 +1,5 @@
 """The HTTP calls that name a chat session, sent to the front end that holds it, when the
-app runs as several (service/front_ends.py).
+app runs as several (launcher.py).
 
 A chat session lives in the process whose socket the browser holds; a button's action and
 a custom element's update are HTTP calls naming that session, and the kernel may hand their

@@ -1,5 +1,5 @@
-"""Checks on what clients send, where it enters Chainlit's server (issue 26: a hostile
-client with an ordinary account read other accounts' data and found 500s).
+"""Checks on what clients send, where it enters Chainlit's server (a hostile client with an
+ordinary account must neither read other accounts' data nor meet a 500).
 
 - Socket connections: the auth's ids are UUIDs (a chat id is pasted nowhere, but a
   client picks it), the login session is live (chat/logins.py); the page's origin is this
@@ -10,7 +10,7 @@ client with an ordinary account read other accounts' data and found 500s).
   session is live is it answered.
 - HTTP routes that take a chat session's id (actions, custom elements) answer 404 for an
   unknown session and 403 for another account's, in words; feedback is written only for
-  the caller's own messages (store/data_layer.py checks it in the statement); sharing a
+  the caller's own messages (chat/data_layer.py checks it in the statement); sharing a
   chat is refused while Chainlit's `allow_thread_sharing` is off.
 - Request bodies are bounded before anything reads them (`BodyLimit`): the OpenAI API's
   by VCHAT_API_MAX_BODY_MB, every other route's by OTHER_BODY_BYTES; Socket.IO bounds its
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from chainlit import server as chainlit_server
@@ -33,14 +32,17 @@ from chainlit.session import WebsocketSession
 from chainlit.socket import _get_token
 from chainlit.types import CallActionRequest, DeleteFeedbackRequest, ElementRequest
 from chainlit.types import ShareThreadRequest, UpdateFeedbackRequest
+from chainlit.user_session import user_sessions
 from fastapi import APIRouter, Depends, HTTPException
 from socketio import exceptions as socketio_errors
 from starlette.responses import JSONResponse
 
+from chat.data_layer import ChatDataLayer
 from chat.logins import Logins, end_session
+from chat.session import Conversation
+from service.admission import Gate, Refusal
 from service.turn_metrics import Arrival
-from store.admission import Admission, Hold
-from store.data_layer import ChatDataLayer
+from store.admission import Hold
 from store.rows import is_uuid
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,12 @@ NAME_CHARS = 200  # a message's author name, a chat profile's name
 ACTION_FIELDS = {"name", "payload", "label", "tooltip", "icon", "forId", "id"}
 NOT_READ = "This message could not be read, so it was not sent. Please reload the page."
 LOGIN_ENDED = "Your login has ended: please log in again."
+
+
+def conversation_of(session: WebsocketSession) -> Conversation | None:
+    """The chat state of a Chainlit session, from outside its context."""
+    conv = user_sessions.get(session.id, {}).get("conversation")
+    return conv if isinstance(conv, Conversation) else None
 
 
 class Refused(socketio_errors.ConnectionRefusedError):
@@ -92,17 +100,11 @@ def user_message(payload) -> dict | None:
 
 
 class Guard:
-    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool,
-                 admission: Admission, reply_room: Callable[[WebsocketSession], int],
-                 refusal_of: Callable[[WebsocketSession, str], str | None]):
+    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool, gate: Gate):
         self.logins, self.store, self.sharing = logins, store, sharing
-        # Why a message could never be answered in its session (over the profile's length,
-        # or too long for the context alone): refused before Chainlit stores it.
-        self.refusal_of = refusal_of
-        # May the account take a turn now (its daily quota, a demo guest's chats and
-        # messages a minute): decided and its place taken at once (store/admission.py).
-        # `reply_room(session)`: the most a turn of that session may write, which it holds.
-        self.admission, self.reply_room = admission, reply_room
+        # May this session's turn start (service/admission.py): its message, asked before
+        # Chainlit stores it, and its place in the account's limits, taken here.
+        self.gate = gate
         # The places taken for each session's turns, until its turn takes them (`hold`).
         self._holds: dict[str, list[Hold]] = {}
         # When each session's last message reached the server, until its turn takes it
@@ -165,10 +167,9 @@ class Guard:
         if checked is None:
             await self._tell(session, NOT_READ)
             return
-        if refused := self.refusal_of(session, checked["message"]["output"]):
+        if refused := await self._refusal(session, checked["message"]["output"],
+                                          starts_chat=not session.has_first_interaction):
             await self._tell(session, refused)
-            return
-        if await self._refused(session, not session.has_first_interaction):
             return
         self._arrived[session.id] = Arrival(arrived, checked=time.monotonic())
         return await self._message(sid, checked)
@@ -192,10 +193,8 @@ class Guard:
                 not isinstance(message.get("output"), str):
             await self._tell(session, NOT_READ)
             return
-        if refused := self.refusal_of(session, message["output"]):
+        if refused := await self._refusal(session, message["output"]):
             await self._tell(session, refused)
-            return
-        if await self._refused(session, False):
             return
         return await self._edit(sid, {"message": {"id": message["id"],
                                                   "output": message["output"]}})
@@ -211,17 +210,24 @@ class Guard:
             return None
         return session
 
-    async def _refused(self, session: WebsocketSession, starts_chat: bool) -> str | None:
-        """Why the account's limits refuse a turn now (its quota, a guest's chats or
-        messages a minute), said to the page: the message is not stored (Chainlit has not
-        seen it yet). None: the turn's place is held for it (`hold`)."""
-        refused, hold = await self.admission.refusal(
-            getattr(session.user, "identifier", None), profile=session.chat_profile or "?",
-            source="chat", reserve=self.reply_room(session), thread_id=session.thread_id,
-            starts_chat=starts_chat)
-        if refused:
-            await self._tell(session, refused)
-            return refused
+    async def _refusal(self, session: WebsocketSession, text: str | None,
+                       starts_chat: bool = False) -> str | None:
+        """Why this session's turn may not start, asked of the gate before Chainlit sees its
+        message (so a refused one is not stored): the message (`text`; None for a button's
+        turn) and the account's limits. None: it may, its place held for it (`hold`)."""
+        conv = conversation_of(session)
+        user = getattr(session.user, "identifier", None)
+        try:
+            if conv is not None and text is not None:
+                self.gate.message(text, conv.profile, user=user,
+                                  system_prompt=conv.settings.system_prompt,
+                                  max_tokens=conv.settings.max_tokens)
+            hold = await self.gate.place(
+                user, profile=session.chat_profile or "?", source="chat",
+                reserve=conv.settings.max_tokens if conv is not None else 0,
+                thread_id=session.thread_id, starts_chat=starts_chat)
+        except Refusal as exc:
+            return str(exc)
         if hold is not None:
             self._holds.setdefault(session.id, []).append(hold)
         return None
@@ -260,7 +266,8 @@ class Guard:
                 not isinstance(action.get("payload"), dict):
             raise HTTPException(400, "This button's data could not be read.")
         # A button's turn (Regenerate) is held to the account's limits as a message is.
-        if refused := await self._refused(session, False):
+        if refused := await self._refusal(session, None):
+            await self._tell(session, refused)
             raise HTTPException(429, refused)
         return await chainlit_server.call_action(payload, current_user)
 

@@ -1,4 +1,4 @@
-"""The pages by which a demo's guests join (issue 32): GET /invite/TOKEN shows a form asking
+"""The pages by which a demo's guests join: GET /invite/TOKEN shows a form asking
 for a name; POST makes the guest (store/invites.py), opens its login session as a password
 login does (chat/logins.py), sets Chainlit's session cookie and sends the browser to the
 chat. With the open demo (VCHAT_DEMO=open) /demo does the same with no link, up to a number
@@ -27,7 +27,7 @@ from chainlit.data import get_data_layer
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, RedirectResponse
 
-from store.data_layer import SESSION_KEY
+from chat.data_layer import SESSION_KEY
 from store.guests import GUEST
 from store.invites import (GUEST_NAME_CHARS, DemoFull, Guest, InviteError, Invites, Joiner,
                            LinkRefused)

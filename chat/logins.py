@@ -1,11 +1,10 @@
 """Login sessions on Chainlit's server: a token works only while its session is live and
 the session is the account's the token names (store/sessions.py), wherever it is presented
-(issue 26: a removed account's cookie still read its chats, its socket still got answers,
-and POST /auth/jwt renewed it; issue 52: a token naming alice with bob's live session got
-in as alice).
+(a removed account's cookie must not read its chats, nor its socket get answers, nor POST
+/auth/jwt renew it; a token naming alice with bob's live session must not get in).
 
 - A login opens a session; its id rides in the token (the user's metadata, `session`:
-  never stored with the user, store/data_layer.py).
+  never stored with the user, chat/data_layer.py).
 - Every HTTP route that asks Chainlit for the current user gets it from `current_user`
   here (FastAPI's dependency override): the token's signature and expiry as before, and its
   session live in the database and its account's.
@@ -32,7 +31,7 @@ from chainlit.auth.jwt import decode_jwt
 from chainlit.session import WebsocketSession, ws_sessions_id
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 
-from store.data_layer import SESSION_KEY
+from chat.data_layer import SESSION_KEY
 from store.sessions import Login, LoginSessions
 
 log = logging.getLogger(__name__)

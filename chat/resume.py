@@ -16,7 +16,8 @@ from chat.panel import settings_panel
 from chat.session import Conversation, cut_off_run, stored_turns
 from chat.view import CUT_OFF
 from engine.config import Config, Profile
-from store.data_layer import ChatDataLayer, StoreError
+from chat.data_layer import ChatDataLayer
+from store.schema import StoreError
 from store.guests import invited_profile
 
 log = logging.getLogger("app")

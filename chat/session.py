@@ -6,14 +6,12 @@ chat/turns.py answers its turns.
 
 from __future__ import annotations
 
-import collections
-import math
-import time
 from dataclasses import dataclass, field, replace
 
 from engine import ChatError, Message, Profile, Prompt
 from engine.limits import bounds, shown, system_prompt_fits
 
+from service.admission import Pace
 from service.input import check_message
 from .view import dropped_notice, short_reply_notice
 
@@ -50,40 +48,30 @@ class Conversation:
     turns: list[Exchange] = field(default_factory=list)
     told_about_dropping: bool = False
     told_about_short_replies: bool = False
-    in_flight: bool = False  # a turn of this session is being answered
-    _started: collections.deque = field(default_factory=collections.deque)  # turn start times
+    pace: Pace | None = None  # one turn at a time, the profile's turns a minute (service/admission.py)
     # The last prompt this chat sent, in hashed pieces (prompt_pieces): vLLM's prefix cache
     # likely holds it still, so the next prompt is read from where the two part.
     _last_prompt: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if self.pace is None:
+            self.pace = Pace(self.profile.limits.turns_per_minute)
 
     @classmethod
     def start(cls, profile: Profile) -> "Conversation":
         return cls(profile, Settings.defaults(profile))
 
+    @property
+    def in_flight(self) -> bool:
+        """A turn of this session is being answered."""
+        return self.pace.in_flight
+
     def history(self) -> list[Message]:
         """The turns as messages (the same objects each time: they keep their token ids)."""
         return [msg for turn in self.turns for msg in (turn.user, turn.reply)]
 
-    def begin_turn(self, now: float | None = None) -> None:
-        """Admit a new turn of this session, or ChatError: one turn at a time, and at
-        most `limits.turns_per_minute` in any minute."""
-        now = time.monotonic() if now is None else now
-        if self.in_flight:
-            raise ChatError("Still answering your previous message: wait for the reply "
-                            "to finish, or press Stop, then send this one again.")
-        per_minute = self.profile.limits.turns_per_minute
-        while self._started and now - self._started[0] >= 60:
-            self._started.popleft()
-        if len(self._started) >= per_minute:
-            wait = math.ceil(60 - (now - self._started[0]))
-            raise ChatError(f"You are sending messages faster than this chat allows "
-                            f"({per_minute} a minute). Please wait {wait} s and send it "
-                            "again.")
-        self._started.append(now)
-        self.in_flight = True
-
     def end_turn(self) -> None:
-        self.in_flight = False
+        self.pace.end()
 
     def record(self, user: Message, reply: str, message_id: str | None = None,
                reply_id: str | None = None) -> None:

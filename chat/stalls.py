@@ -5,7 +5,7 @@ loop that every session shares stood still for each (BENCHMARKS.md, "GPU (H200)"
 Chainlit/chainlit pull request #1374 (closed, not merged).
 
 `skip_constructor_pause()` keeps what the sleep was for without the wait: those two modules
-get a clock that never repeats itself (service/clock.py) and a `time` whose `sleep` returns
+get a clock that never repeats itself (chat/clock.py) and a `time` whose `sleep` returns
 at once for that one millisecond; any other use of `time` is the real module's. The other
 stalls of the loop, and how they are watched: service/loop.py.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import time
 
-from service.clock import CLOCK
+from chat.clock import CLOCK
 
 CONSTRUCTOR_PAUSE_S = 0.001  # the sleep in Message.__init__ and Step.__init__
 

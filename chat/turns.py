@@ -17,21 +17,20 @@ from collections.abc import Callable
 
 import chainlit as cl
 from chainlit.chat_context import chat_context
-from chainlit.user_session import user_sessions
 
+from chat.data_layer import ChatDataLayer
 from chat.session import HISTORY_CHARS, Conversation, Exchange
 from chat.streaming import Coalescer, Pace, Reading
-from chat.view import (CLOSING, CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED,
-                       STARTING_TURN, UNEXPECTED, WITHDRAWN, queued_notice, reading_notice,
-                       reply_metadata, stats_line)
+from chat.view import (CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED, STARTING_TURN,
+                       UNEXPECTED, WITHDRAWN, queued_notice, reading_notice, reply_metadata,
+                       stats_line)
 from engine import ChatError, Engines, Message, Prompt
 from engine.settings import setting
-from service.input import check_message
+from service.admission import Gate, Refusal
 from service.shutdown import Shutdown
 from service.turn import Turn
-from service.turn_metrics import Arrival, TurnMetrics, TurnRecord
+from service.turn_metrics import Arrival, TurnMetrics
 from store.admission import Hold
-from store.data_layer import ChatDataLayer
 from store.usage import Usage
 
 log = logging.getLogger(__name__)
@@ -40,9 +39,9 @@ REGENERATE = "regenerate"  # the action under the last reply
 
 
 class RegenerateButton(cl.Action):
-    """Chainlit's action with its event's dict made field by field: Chainlit's to_dict
-    (dataclasses_json) cost ~40 us a call here, and every turn calls it twice, once on
-    the way to its first token (the last reply's button goes). The same dict."""
+    """Chainlit's action with its event's dict made field by field, the same dict as
+    Chainlit's to_dict (dataclasses_json), which is slow on every turn's way to its first
+    token (the last reply's button goes)."""
 
     def to_dict(self, encode_json: bool = False) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -84,25 +83,13 @@ class WaitNote:
             await message.remove()
 
 
-def conversation_of(session) -> Conversation | None:
-    """The chat state of a Chainlit session, from outside its context (chat/guard.py)."""
-    conv = user_sessions.get(session.id, {}).get("conversation")
-    return conv if isinstance(conv, Conversation) else None
-
-
-def reply_room(session) -> int:
-    """The most a turn of this Chainlit session may write (its settings' max tokens): what
-    chat/guard.py holds of the account's quota for it."""
-    conv = conversation_of(session)
-    return conv.settings.max_tokens if conv is not None else 0
-
-
 class Turns:
-    def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown,
+    def __init__(self, engines: Engines, metrics: TurnMetrics, shutdown: Shutdown, gate: Gate,
                  store: ChatDataLayer, pace: Pace, usage: Usage,
                  hold_of: Callable[[str], Hold | None], ignore_eos: bool = False,
                  reading_note_s: float | None = None):
         self.engines = engines
+        self.gate = gate  # may a Regenerate's turn start (service/admission.py)
         # A message whose reading should take this long shows its progress meanwhile.
         self.reading_note_s = setting("VCHAT_READING_NOTE_S") if reading_note_s is None \
             else reading_note_s
@@ -119,8 +106,8 @@ class Turns:
     async def take(self, conv: Conversation, user: Message, message_id: str,
                    notice: str | None = None, arrival: Arrival | None = None,
                    hold: Hold | None = None) -> None:
-        """An admitted turn (conv.begin_turn), answered; whatever goes wrong is said plainly.
-        Counted and logged once, however it ends (service/turn.py). `arrival`: when the
+        """An admitted turn (service/admission.py), answered; whatever goes wrong is said
+        plainly. Counted and logged once, however it ends (service/turn.py). `arrival`: when the
         message reached the server and passed each step before its turn (time.monotonic),
         for the turn's first token as the app sends it."""
         account = user_name()
@@ -148,26 +135,6 @@ class Turns:
             conv.end_turn()
             turn.end(ended)
 
-    def refusal_of(self, session, text: str) -> str | None:
-        """Why a new message of this Chainlit session could never be answered (longer than
-        its profile takes, or too long for the context with the system prompt alone), said
-        by chat/guard.py before Chainlit stores it; else None (the turn checks the rest)."""
-        conv = conversation_of(session)
-        if conv is None:
-            return None
-        try:
-            checked = check_message(text, conv.profile.limits.message_chars)
-            refused = self.engines.refusal_alone(
-                conv.profile.name, Message("user", checked.text),
-                system_prompt=conv.settings.system_prompt, max_tokens=conv.settings.max_tokens)
-        except ChatError as exc:
-            refused = str(exc)
-        if refused:
-            self.metrics.refuse(TurnRecord("refused", getattr(session.user, "identifier", None),
-                                           conv.profile.name, reason="message",
-                                           message=text[:1000]))
-        return refused
-
     async def offer_regenerate(self, reply_id: str | None) -> None:
         """A "Regenerate" button under the last reply (only there: the one before goes)."""
         await self.withdraw_regenerate()
@@ -190,18 +157,16 @@ class Turns:
         any reply."""
         conv: Conversation = cl.user_session.get("conversation")
         hold = self.hold_of(cl.context.session.id)  # chat/guard.py admitted the press
-        closing, last = self.shutdown.closing, None
-        if not closing and conv is not None and not conv.in_flight:
-            last = conv.take_back(button.forId)
-        if last is None:
-            self.give_back(hold)
-            await cl.Message(content=CLOSING if closing else NOT_REGENERATED).send()
-            return
+        last = None if conv is None or conv.in_flight else conv.take_back(button.forId)
         try:
-            conv.begin_turn()
-        except ChatError as exc:  # too many turns this minute: the reply stays
+            if last is None:  # not the last reply, or one being written (shutting down first)
+                self.gate.start(user_name(), conv.profile.name if conv else "?")
+                raise Refusal(NOT_REGENERATED, "turn")
+            self.gate.start(user_name(), conv.profile.name, conv.pace)
+        except Refusal as exc:  # shutting down, or too many turns this minute: it stays
             self.give_back(hold)
-            conv.turns.append(last)
+            if last is not None:
+                conv.turns.append(last)
             await cl.Message(content=str(exc)).send()
             return
         task = asyncio.create_task(self._answer_again(conv, last, hold))

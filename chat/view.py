@@ -16,8 +16,6 @@ STOPPING_PAGE = "The app is restarting or shutting down: new messages wait until
 WITHDRAWN = "*Stopped before the reply began: that message is not part of the conversation.*"
 UNEXPECTED = ("Sorry, something went wrong on our side while answering, and it has been "
               "logged. Your message was not added to the conversation; please send it again.")
-CLOSING = ("The app is restarting or shutting down, so your message was not sent. Please "
-           "send it again in a minute.")
 NOT_ANSWERED = ("The app shut down before your message could be answered; it is not part of "
                 "the conversation. Please send it again in a minute.")
 CUT_OFF = ("The server that was answering your last message went away before the reply was "

@@ -15,6 +15,7 @@ from chainlit.oauth_providers import get_configured_oauth_providers
 from api.openai import OpenAIApi
 from api.ops import Ops
 from chat import forget
+from chat.data_layer import ChatDataLayer
 from chat.downloads import Downloads
 from chat.front_ends import SessionRouting
 from chat.guard import Guard
@@ -22,18 +23,18 @@ from chat.invites import InvitePage, OpenDemo
 from chat.logins import Logins, slow_failing_addresses
 from chat.sso import HeaderLogin, SingleSignOn
 from chat.streaming import Pace
-from chat.turns import Turns, reply_room
+from chat.turns import Turns
 from chat.view import page_notice
 from engine import ConfigError, Engines, load_config
 from engine.config import Config
 from engine.settings import check_all, setting
 from service import front_ends, loop
+from service.admission import Gate
 from service.shutdown import Shutdown
 from service.turn_metrics import JsonLines, TurnMetrics
 from store.accounts import Accounts, AddressThrottle
 from store.admission import Admission
 from store.api_keys import ApiKeys
-from store.data_layer import ChatDataLayer
 from store.guests import Guests
 from store.invites import Invites
 from store.schema import database_url
@@ -63,6 +64,7 @@ class Parts:
     turn_metrics: TurnMetrics
     loop_lag: loop.LoopLag
     gc_pauses: loop.GcPauses
+    gate: Gate
     turns: Turns
     settling: set[asyncio.Task]  # the start's background tasks, referenced till done
 
@@ -120,25 +122,27 @@ def build(http, sio, chainlit_config) -> Parts:
                     setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS"),
                     setting("VCHAT_GUEST_TURNS_PER_MINUTE"),
                     setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE"))
-    admission = Admission(store.engine, guests.limits, store.reader)
-    # What clients send checked where it enters (chat/guard.py); `turns` is bound below.
-    guard = Guard(logins, store, sharing=chainlit_config.features.allow_thread_sharing,
-                  admission=admission, reply_room=reply_room,
-                  refusal_of=lambda session, text: turns.refusal_of(session, text))
-    guard.install(http, sio, chainlit_config.project.allow_origins,
-                  api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
-    # One of several processes sharing each engine's core (service/front_ends.py): calls
-    # naming a chat session reach the one holding it, and pages use WebSockets only.
     front_end = front_ends.current()
-    if front_end is not None and front_end.count > 1:
-        http.add_middleware(SessionRouting, front=front_end)
-        chainlit_config.project.transports = ["websocket"]
     # VCHAT_DEMO=open: anyone who opens the page chats as a guest, under a demo banner.
     demo = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY"),
                     setting("VCHAT_DEMO_GUESTS_PER_ADDRESS")) \
         if setting("VCHAT_DEMO") == "open" else None
     ops = Ops(engines, shutdown, store, page_notice if demo is None else (
         lambda status: page_notice(status) or demo.banner(guests.retention_days)), front_end)
+    turn_metrics = TurnMetrics(ops.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
+    # May a turn start (service/admission.py), for the chat and the API alike.
+    admission = Admission(store.engine, guests.limits, store.reader)
+    gate = Gate(engines, shutdown, admission, turn_metrics)
+    # What clients send checked where it enters (chat/guard.py).
+    guard = Guard(logins, store, sharing=chainlit_config.features.allow_thread_sharing,
+                  gate=gate)
+    guard.install(http, sio, chainlit_config.project.allow_origins,
+                  api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
+    # One of several processes sharing each engine's core (launcher.py): calls
+    # naming a chat session reach the one holding it, and pages use WebSockets only.
+    if front_end is not None and front_end.count > 1:
+        http.add_middleware(SessionRouting, front=front_end)
+        chainlit_config.project.transports = ["websocket"]
     http.include_router(ops.router)  # /ready, /notice, /metrics
     http.include_router(Downloads(store.engine).router)  # /export/chats[/ID]
     joining = InvitePage(Invites(store.engine), setting("VCHAT_GUEST_LOGIN_HOURS") * 3600,
@@ -147,12 +151,11 @@ def build(http, sio, chainlit_config) -> Parts:
     http.include_router(joining.router)  # /invite/TOKEN
     if demo is not None:
         joining.send_visitors_to_the_demo(http, logins.live_token)
-    turn_metrics = TurnMetrics(ops.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
     forget.report_to(turn_metrics.sessions_held)
     api = OpenAIApi(engines, config, turn_metrics, ApiKeys(store.engine).account_of,
-                    setting("VCHAT_API_KEY"), usage, admission, ignore_eos=ignore_eos)
+                    setting("VCHAT_API_KEY"), usage, gate, ignore_eos=ignore_eos)
     http.include_router(api.router)  # /v1
-    turns = Turns(engines, turn_metrics, shutdown, store, pace, usage, guard.hold,
+    turns = Turns(engines, turn_metrics, shutdown, gate, store, pace, usage, guard.hold,
                   ignore_eos=ignore_eos)
     if setting("VCHAT_LOG_FORMAT") == "json":
         for handler in logging.getLogger().handlers:
@@ -160,4 +163,4 @@ def build(http, sio, chainlit_config) -> Parts:
     return Parts(config, engines, pace, shutdown, store, accounts, usage, logins,
                  password_login, sso, oidc, header_login, guests, guard, turn_metrics,
                  loop.LoopLag(turn_metrics.loop_lag.observe),
-                 loop.GcPauses(turn_metrics.gc_paused), turns, set())
+                 loop.GcPauses(turn_metrics.gc_paused), gate, turns, set())

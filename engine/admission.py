@@ -5,7 +5,7 @@ Each preset has an `Admission`: at most `running` of its turns are inside the en
 that a turn is refused at once with a `Busy` saying so. A waiting turn that is cancelled
 (Stop, a closed browser) leaves the line and the turns behind it move up.
 
-Fair shares (issue 53): every turn belongs to someone (`who`: an account, or a chat session
+Fair shares: every turn belongs to someone (`who`: an account, or a chat session
 or the operator's API key where there is none), and the line is fair across them, FIFO
 within one: a free seat goes to the waiting turn of whoever has the fewest turns inside
 (ties: the one waiting longest), so one account's 300 requests do not keep anyone else
@@ -30,7 +30,7 @@ Latency-first turn finds room at once even when Throughput-first's turns fill th
 Seats are each preset's own (the engine runs the sum), so they are never taken from another.
 Every decision is taken in the same synchronous step as the seat (no await in between).
 
-With several front ends (service/front_ends.py) each has its own `Admission`s, each counting
+With several front ends (launcher.py) each has its own `Admission`s, each counting
 its own turns against the whole engine; shares are then fair within each front end.
 """
 

@@ -1,10 +1,10 @@
 """One engine core for several front-end processes: what vLLM's `--api-server-count` does
-for its own server, done for this app (issue 31).
+for its own server, done for this app.
 
 vLLM's `AsyncLLM` is two parts: the engine core (its own process: the scheduler and the
 model) and the client in the caller's process, which turns every step's outputs into text
 (detokenizing, RequestOutputs). With one app process that client and every user's socket
-share one Python thread. Here a launcher (service/front_ends.py) starts each local engine's
+share one Python thread. Here a launcher (launcher.py) starts each local engine's
 core once, for N front ends; each front end's `PresetEngine` (llm.py) attaches to the core
 through its `Link` instead of starting one, and handles only its own users' requests. The
 core's scheduler batches all front ends' requests as one.

@@ -5,9 +5,9 @@ partly prefilled (a chunk), and drops that token. For a seeded request it then w
 request's random generator back by the draw it made (`GPUModelRunner._bookkeeping_sync`:
 `gen.set_offset(gen.get_offset() - 4)`), so that the reply does not depend on how the
 prompt was cut. That works for CUDA's Philox generators; a CPU generator has no offset, the
-call raises, and the engine core dies with every request in it (issue 52: one API request
-with a `seed` on Latency-first, whose CPU budget cuts nearly every prompt, restarted the
-engine for everyone). Here the same rewind is made the CPU's way: the generator states of
+call raises, and the engine core dies with every request in it (one API request with a
+`seed` on Latency-first, whose CPU budget cuts nearly every prompt, restarted the engine for
+everyone). Here the same rewind is made the CPU's way: the generator states of
 the requests whose draw will be dropped are saved before sampling and put back after it,
 and the bookkeeping does not see those generators.
 

@@ -100,7 +100,7 @@ class PresetEngine(Engine):
     @property
     def restartable(self) -> bool:
         """Not a front end's client of a core started elsewhere: its launcher ends every
-        front end when a core dies (service/front_ends.py), for its supervisor to restart."""
+        front end when a core dies (launcher.py), for its supervisor to restart."""
         return link_of(self.preset) is None
 
     @property

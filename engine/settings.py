@@ -179,7 +179,7 @@ SETTINGS = {s.name: s for s in (
             "BENCHMARKS.md); either with asyncio's C tasks, not the Python ones Chainlit's "
             "nest_asyncio puts there"),
     Setting("VCHAT_FRONT_ENDS", auto_or(whole(1)), "auto", "app processes sharing each "
-            "engine's core under `make run` (service/front_ends.py); auto: with an NVIDIA GPU "
+            "engine's core under `make run` (launcher.py); auto: with an NVIDIA GPU "
             "one per 4 cores, at most 4; without, 1. `chainlit run app.py` is always one"),
     Setting("VCHAT_CONNECTION_SPREAD", one_of("hash", "first-free"), "hash",
             "how the front ends share the port's connections: hash (a socket each, "

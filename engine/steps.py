@@ -19,7 +19,7 @@ while a higher class's turns run (or wait), each step follows that class's promi
 4. Its long-prompt pieces (`long_piece` tokens up to `long_context` tokens of context): a
    prompt piece reads the whole context before it, so its cost grows with how far the
    prompt has got (an 8,192-token piece at 250K tokens of context took 1.7-1.9 s on an
-   H100, every other stream waiting as long: issue 53). While some turn decodes beside
+   H100, every other stream waiting as long). While some turn decodes beside
    prompts still being read, each step's piece is cut so that piece x context, summed over
    those prompts, stays at `long_piece x long_context`: pieces of `long_piece` tokens at
    first, smaller in proportion beyond `long_context` (never below `MIN_PIECE`). vLLM's

@@ -72,10 +72,10 @@ case "$step" in
     # This run's results only (bench/results holds every earlier run's: too many files for
     # one call's transfer, which then leaves the newest out).
     find bench/results -name 'gpu-h200*' -newer "$out/versions.txt" -exec cp {} "$out/" \;
-    # The app server's turn log: where each run's first tokens went (bench/turn_log.py);
+    # The app server's turn log: where each run's first tokens went (tools/turn_log.py);
     # TURN_RUNS=N: one summary for every N turns (the users of one run).
     for log in .cache/server-*.log; do
-      [ -f "$log" ] && python3 -m bench.turn_log "$log" --each "${TURN_RUNS:-256}" \
+      [ -f "$log" ] && python3 -m tools.turn_log "$log" --each "${TURN_RUNS:-256}" \
         >> "$out/turns.jsonl"
     done; true ;;
   bench-start)

@@ -20,10 +20,9 @@ user at once:
    running loop be entered again), which swaps asyncio's Task and Future for their
    pure-Python versions: every await of every session then runs through Python code.
    `own_loop()`, called when app.py is imported (Chainlit imports it, then starts its
-   server with asyncio.run), puts the C versions back: on the H200 at 256 chat streams the
-   app gave 1.07x the tokens/s with a first token 0.73x as long (4 neighbouring pairs;
-   BENCHMARKS.md, issue 31). VCHAT_EVENT_LOOP=uvloop runs uvloop's loop instead, which
-   measured slower there (0.77x the tokens/s, 3 pairs).
+   server with asyncio.run), puts the C versions back: more tokens/s and a shorter first
+   token at 256 chat streams on the H200 (BENCHMARKS.md). VCHAT_EVENT_LOOP=uvloop runs
+   uvloop's loop instead, which measured slower there.
 
 What is left shows: `LoopLag` sets a timer now and then and measures how late the loop
 runs it (`vchat_event_loop_lag_seconds`), so a slow first token can be told apart from a

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine import TurnStats
+from service import front_ends
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -27,9 +28,7 @@ turn_log = logging.getLogger("vchat.turns")
 
 
 def _front_end_index() -> int | None:
-    from service.front_ends import current
-
-    front = current()
+    front = front_ends.current()
     return front.index if front is not None else None
 
 

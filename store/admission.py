@@ -1,7 +1,6 @@
 """May this account take a turn now: decided and taken in one step, where it is counted
-(issue 52: checked in one statement and taken in a later one, caps let bursts through: a
-guest capped at 2 chats got 6 from 6 messages sent at once, a guest allowed 3 messages a
-minute ran 8, and a quota counted only turns that had ended).
+(checked in one statement and taken in a later one, caps let bursts through: a guest capped
+at 2 chats got 6 from 6 messages sent at once), for service/admission.py.
 
 - The limits: an account's daily token quota (store/usage.py), and a demo guest's
   (store/guests.py): its chats, its messages a minute, and those of the guests who joined
@@ -138,13 +137,6 @@ class Admission:
                 "reserve": max(0, int(reserve)), "thread": thread_id, "no": False,
                 "yes": True})
         return hold
-
-    async def refusal(self, identifier: str | None, **turn) -> tuple[str | None, Hold | None]:
-        """`take`'s words when refused (None, None held), else (None, its hold)."""
-        try:
-            return None, await self.take(identifier, **turn)
-        except Refused as exc:
-            return str(exc), None
 
     async def _guest_refusal(self, conn, values: dict, starts_chat: bool) -> str | None:
         limits = self.guests

@@ -17,7 +17,7 @@ Messages are the chat's as the page showed them, oldest first (the app's notices
 assistant messages too); times are UTC ISO 8601 as stored.
 
 The Markdown is for reading: a heading per chat and per message. What a user or the model
-wrote cannot pass for the export's own (issue 52): in their text, outside fenced code
+wrote cannot pass for the export's own: in their text, outside fenced code
 blocks, a line that would make a heading (`#`, or a `===`/`---` underline) has its mark
 escaped and raw HTML is escaped as entities (`&lt;`); a code block left open is closed
 where its message ends. The JSON keeps the text as it was.

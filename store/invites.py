@@ -1,4 +1,4 @@
-"""Invite links for demo sessions (issue 32): an admin makes a link that lets up to N people
+"""Invite links for demo sessions: an admin makes a link that lets up to N people
 in until it expires; each picks a name and chats as a guest, with no password.
 
 - A link carries a secret (`token`, ~128 bits); only its SHA-256 is stored, as for API keys,

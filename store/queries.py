@@ -1,4 +1,4 @@
-"""Every SQL statement the chat data layer runs (store/data_layer.py), as fixed text.
+"""Every SQL statement the chat data layer runs (chat/data_layer.py), as fixed text.
 
 No value ever becomes part of a statement's text: ids, names, search words and feedback are
 bound parameters (`:name`), on SQLite and PostgreSQL alike. The column lists below are the

@@ -1,5 +1,5 @@
 """Rows of store/queries.py's statements to and from the dicts Chainlit reads and writes
-(its ThreadDict, StepDict), for store/data_layer.py: no SQL here, and no database calls."""
+(its ThreadDict, StepDict), for chat/data_layer.py: no SQL here, and no database calls."""
 
 from __future__ import annotations
 

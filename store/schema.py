@@ -26,6 +26,15 @@ READ_WAIT_S = 0.25  # longest a SQLite read on the event loop's thread waits for
 SETUP_LOCK = 0x76636861  # PostgreSQL's advisory lock for setting a database up ("vcha")
 
 
+class StoreError(RuntimeError):
+    """A write or read the database refused."""
+
+
+def failure_text(exc: Exception) -> str:
+    """A failed statement's error, short enough for a log line and a StoreError."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+
+
 def database_url(data_dir: Path, env: dict | None = None) -> str:
     """DATABASE_URL (postgres:// or postgresql:// as servers hand them out, driven by
     asyncpg), else SQLite in `data_dir`."""
@@ -61,12 +70,11 @@ class Reader:
     module on the event loop's own thread: a check is a lookup by primary key of a few rows
     in pages the cache holds, tens of microseconds, where every hand-off to another thread
     waits for the GIL behind whatever the loop runs, and every await for the loop's next
-    turn behind every stream's update. Measured (bench/loop_turns.py, and on the H200:
-    BENCHMARKS.md, "2026-12-03: what holds Latency-first's first token", item 7): through
-    aiosqlite (five awaited calls a query) or a thread of our own per query, a message's
-    check cost far more on a busy loop than reading in line. SQLite waits at most
-    `READ_WAIT_S` for a lock (WAL readers seldom meet one). Elsewhere, or with `own=False`:
-    the writer's pool, awaited."""
+    turn behind every stream's update. Measured (BENCHMARKS.md, "2026-12-03: what holds
+    Latency-first's first token", item 7): through aiosqlite (five awaited calls a query)
+    or a thread of our own per query, a message's check cost far more on a busy loop than
+    reading in line. SQLite waits at most `READ_WAIT_S` for a lock (WAL readers seldom meet
+    one). Elsewhere, or with `own=False`: the writer's pool, awaited."""
 
     def __init__(self, writer: AsyncEngine, own: bool = True):
         self._writer: AsyncEngine | None = None
@@ -173,10 +181,10 @@ def migrations(postgres: bool) -> list[list[str]]:
          'CREATE INDEX usage_by_day ON usage ("day")',
          'ALTER TABLE accounts ADD COLUMN "dailyTokens" INTEGER',
          """ALTER TABLE accounts ADD COLUMN "kind" TEXT NOT NULL DEFAULT 'password'"""],
-        # 5: state that several app processes on one database share (issue 30): failed
+        # 5: state that several app processes on one database share: failed
         # logins per client address (store/accounts.py's AddressThrottle), and the socket
         # session that opened each chat, so that another replica can take the chat over
-        # when the page reconnects to it (store/data_layer.py's `chat_of_session`).
+        # when the page reconnects to it (chat/data_layer.py's `chat_of_session`).
         ["""CREATE TABLE login_failures (
             "address" TEXT PRIMARY KEY, "failures" INTEGER NOT NULL,
             "lastFailedAt" DOUBLE PRECISION NOT NULL)""",
@@ -195,7 +203,7 @@ def migrations(postgres: bool) -> list[list[str]]:
          'ALTER TABLE accounts ADD COLUMN "address" TEXT',
          'CREATE INDEX accounts_by_invite ON accounts ("invite")',
          'CREATE INDEX accounts_by_address ON accounts ("address", "createdAt")'],
-        # 7 (issue 52): limits decided where they are counted. A turn's usage row is
+        # 7: limits decided where they are counted. A turn's usage row is
         # written when the turn is admitted, "pending" with what it may cost, and holds
         # its place in every per-minute limit and quota until it ends (store/usage.py).
         # One feedback per step (its chat's owner is the only one who may rate it): the

@@ -1,11 +1,11 @@
 """Login sessions, in the database, so that an account's access can end before its
-token expires (issue 26: a removed account's cookie still read its chats).
+token expires (a removed account's cookie must not read its chats).
 
 Each login opens a session (a random id the login token carries, recorded with its
 account's identifier); a token is good only while its session is live and its own: the
 account the token names is the session's, the session is not ended, not past its lifetime,
-and its account still there (issue 52: a token naming alice with bob's live session id got
-in as alice).
+and its account still there (a token naming alice with bob's live session id does not get
+in).
 Logging out ends that session; removing an account, changing its password or
 `python -m store users logout NAME` ends all of the account's. The app checks the session
 on every HTTP request, socket connection and message, and closes the sockets of ended ones

@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from engine import Engines, load_config  # noqa: E402
+from tools.chainlit_client import serving  # noqa: E402
+
+API_KEY = "operator-key-for-the-api-tests-0123456789"  # `api_app`'s VCHAT_API_KEY
+STAND_IN_RATE = 2000  # tokens/s per stream of `fast_stand_in`: 2 tokens every 1 ms step
 
 
 def pytest_runtest_logreport(report):
@@ -48,3 +52,23 @@ async def engines(config):
     await pool.start()
     yield pool
     pool.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def fast_stand_in():
+    """A `chainlit run app.py` server on the labelled stand-in engine (no model), far faster
+    than any CPU model, replies running to max_tokens: the UI layer's tests and the app
+    path's bench share it."""
+    async with serving({"VCHAT_ENGINE": "stand-in",
+                        "VCHAT_STANDIN_TOKENS_PER_S": str(STAND_IN_RATE),
+                        "VCHAT_BENCH_IGNORE_EOS": "1"}, timeout=120) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+async def api_app():
+    """The app on the real engines with the operator's API key and its log as an operator's
+    collector reads it (JSON lines): the API's test files and the chat's (tests/test_api_*.py,
+    tests/test_app.py, run one after another) share it."""
+    async with serving({"VCHAT_API_KEY": API_KEY, "VCHAT_LOG_FORMAT": "json"}) as srv:
+        yield srv

@@ -110,7 +110,7 @@ async def test_failures_from_one_address_are_slowed_whatever_names_they_try(serv
 
 
 async def test_many_first_logins_of_one_account_at_once_all_get_in(server):
-    """Regression: the first logins of one account at once (bench/burst.py's 256 sessions)
+    """Regression: the first logins of one account at once (256 sessions at once)
     raced to create its user in Chainlit's table, and some were refused."""
     add_user(server, "crowd", "a crowd of one")
     crowd = [ChatClient(server.url, "Latency-first", user="crowd", password="a crowd of one")

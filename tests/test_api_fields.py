@@ -26,16 +26,16 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from bench.vllm_server import VllmServer
 from engine import load_config
 from engine.launch import Machine, engine_setup
 from engine.limits import SEED_MAX
 from engine.model import resolve_model
+from tests.conftest import API_KEY as KEY
 from tests.test_accounts import add_user, store_command
-from tools.chainlit_client import ROOT, TEST_ENV, Server
+from tools.chainlit_client import ROOT, TEST_ENV
 from tools.polling import until
+from tools.vllm_server import VllmServer
 
-KEY = "operator-key-for-field-tests-0123"
 MODEL = "Throughput-first"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -57,16 +57,15 @@ def plain_server() -> VllmServer:
 
 
 @pytest.fixture(scope="module")
-async def servers():
+async def servers(api_app):
     plain = await asyncio.to_thread(plain_server)
     plain.start()
-    app = Server({"VCHAT_API_KEY": KEY})
     try:
-        await asyncio.gather(plain.wait_ready(), app.wait_ready(timeout=400))
-        yield (openai.AsyncOpenAI(base_url=app.url + "/v1", api_key=KEY, max_retries=0),
-               openai.AsyncOpenAI(base_url=plain.base_url, api_key="none", max_retries=0), app)
+        await plain.wait_ready()
+        yield (openai.AsyncOpenAI(base_url=api_app.url + "/v1", api_key=KEY, max_retries=0),
+               openai.AsyncOpenAI(base_url=plain.base_url, api_key="none", max_retries=0),
+               api_app)
     finally:
-        app.stop()
         plain.stop()
 
 

@@ -18,16 +18,14 @@ import pytest
 
 from api.choices import Choices
 from engine.decoding import Piece
-from tools.chainlit_client import serving
+from tests.conftest import API_KEY as KEY
 
-KEY = "operator-key-for-vllm-field-tests-01"
 MODEL = "Throughput-first"
 
 
-@pytest.fixture(scope="module")
-async def server():
-    async with serving({"VCHAT_API_KEY": KEY}) as srv:
-        yield srv
+@pytest.fixture
+def server(api_app):
+    return api_app
 
 
 def api(server) -> openai.AsyncOpenAI:

@@ -14,9 +14,8 @@ import json
 import httpx
 import pytest
 
-from tools.chainlit_client import serving
+from tests.conftest import API_KEY as KEY
 
-KEY = "operator-key-for-vllm-routes-0123456789"
 MODEL = "Latency-first"
 
 WEATHER = {"type": "function", "function": {
@@ -33,10 +32,9 @@ WEATHER = {"type": "function", "function": {
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
-@pytest.fixture(scope="module")
-async def server():
-    async with serving({"VCHAT_API_KEY": KEY}) as srv:
-        yield srv
+@pytest.fixture
+def server(api_app):
+    return api_app
 
 
 async def post(server, path: str, body: dict) -> httpx.Response:

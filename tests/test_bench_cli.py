@@ -182,13 +182,3 @@ def test_the_profiles_figures_pool_a_phases_pairs_across_runs_when_asked():
     assert pooled["from"]["saturated"] == ["h.json", "i.json"]
     assert pooled["light"] == [{"ratio": 0.5}] and pooled["from"]["light"] == "i.json"
     assert merged(runs)["shared"]["saturated_preempted"] == 0  # not pooled: the last run's
-
-
-def test_loop_ab_reads_a_variants_name_environment_and_checkout():
-    from bench.loop_ab import variant
-
-    assert variant("after") == {"name": "after", "env": {}, "dir": None}
-    assert variant("ws:UVICORN_WS_PROTOCOL=wsproto,VCHAT_EVENT_LOOP=uvloop") == {
-        "name": "ws", "env": {"UVICORN_WS_PROTOCOL": "wsproto", "VCHAT_EVENT_LOOP": "uvloop"},
-        "dir": None}
-    assert variant("before@/tmp/base") == {"name": "before", "env": {}, "dir": "/tmp/base"}

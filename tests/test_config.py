@@ -231,7 +231,7 @@ def test_a_bad_setting_stops_the_app_and_the_check_with_one_clear_line():
         ([sys.executable, "-m", "engine", "check"], env),
         (chainlit_command() + ["run", "app.py", "--headless", "--port", "0"],
          {**env, "VCHAT_ENFORCE_EAGER": "1"}),
-        ([sys.executable, "-m", "service.front_ends", "--port", "0"],  # what `make run` runs
+        ([sys.executable, "-m", "launcher", "--port", "0"],  # what `make run` runs
          {**env, "VCHAT_FRONT_ENDS": "none"}))
     assert check.returncode == 2 and "Traceback" not in check.stderr
     assert "VCHAT_ENFORCE_EAGER" in check.stderr and "'ture'" in check.stderr

@@ -1,12 +1,17 @@
-"""Checking what users send (service/input.py) and the per-session turn limits (session.py)."""
+"""Checking what users send (service/input.py), the per-session turn limits (session.py) and
+the gate every turn passes (service/admission.py)."""
 
 import dataclasses
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from service.input import check_message
 from chat.session import Conversation
 from engine import ChatError, load_config
+from service.admission import Gate, Refusal
+from service.input import check_message
+from service.shutdown import Shutdown
+from service.turn_metrics import TurnMetrics
 
 
 def refused(text, max_chars=1000) -> str:
@@ -59,18 +64,63 @@ def conversation(per_minute=3) -> Conversation:
 
 def test_one_turn_at_a_time_per_session():
     conv = conversation()
-    conv.begin_turn(now=0)
+    conv.pace.begin(now=0)
     with pytest.raises(ChatError, match="Still answering"):
-        conv.begin_turn(now=1)
+        conv.pace.begin(now=1)
     conv.end_turn()
-    conv.begin_turn(now=2)
+    conv.pace.begin(now=2)
 
 
 def test_rate_limit_per_session_says_how_long_to_wait():
     conv = conversation(per_minute=3)
     for t in (0, 1, 2):
-        conv.begin_turn(now=t)
+        conv.pace.begin(now=t)
         conv.end_turn()
     with pytest.raises(ChatError, match=r"3 a minute\). Please wait 57 s"):
-        conv.begin_turn(now=3)
-    conv.begin_turn(now=60.5)  # the first turn is a minute old
+        conv.pace.begin(now=3)
+    conv.pace.begin(now=60.5)  # the first turn is a minute old
+
+
+# -- service/admission.py's Gate: each refusal in the user's words, counted once ----------
+
+def gate(closing=False) -> tuple[Gate, CollectorRegistry]:
+    registry = CollectorRegistry()
+    shutdown = Shutdown(grace_s=1)
+    shutdown.closing = closing
+    return Gate(engines=None, shutdown=shutdown, limits=None,
+                metrics=TurnMetrics(registry)), registry
+
+
+def refusals(registry: CollectorRegistry, reason: str) -> float:
+    return registry.get_sample_value("vchat_turns_refused_total",
+                                     {"profile": "Latency-first", "reason": reason}) or 0
+
+
+def test_the_gate_refuses_while_shutting_down_and_counts_it_once():
+    shut, registry = gate(closing=True)
+    conv = conversation()
+    with pytest.raises(Refusal, match="shutting down") as err:
+        shut.start("ann", "Latency-first", conv.pace, "Hello")
+    assert err.value.reason == "closing" and refusals(registry, "closing") == 1
+    assert not conv.in_flight, "a refused turn holds no place in the session"
+    with pytest.raises(Refusal):  # a turn begun already counts itself when it ends
+        shut.start("ann", "Latency-first", count=False)
+    assert refusals(registry, "closing") == 1
+
+
+def test_the_gate_says_why_a_message_or_a_turn_may_not_start():
+    open_, registry = gate()
+    profile = load_config().profile("Latency-first")
+    limit = profile.limits.message_chars
+    with pytest.raises(Refusal, match=f"{limit:,} per message"):
+        open_.message("x" * (limit + 1), profile, user="ann")
+    assert refusals(registry, "message") == 1
+    assert open_.message("a\u202eb", profile, user="ann").text == "ab"
+    conv = conversation(per_minute=1)
+    open_.start("ann", "Latency-first", conv.pace)
+    with pytest.raises(Refusal, match="Still answering"):
+        open_.start("ann", "Latency-first", conv.pace)
+    conv.end_turn()
+    with pytest.raises(Refusal, match=r"1 a minute"):
+        open_.start("ann", "Latency-first", conv.pace)
+    assert refusals(registry, "turn") == 2

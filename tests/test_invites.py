@@ -9,10 +9,12 @@ import asyncio
 import os
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 import socketio
+from sqlalchemy import text
 
 from store.accounts import AccountError
 from store.api_keys import ApiKeys
@@ -21,6 +23,7 @@ from store.invites import GUEST_NAME_CHARS, InviteError, Invites, Joiner, parse_
 from store.schema import connect, database_url, migrate
 from tests.test_accounts import STAND_IN, add_user, store_command, store_run
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
+from tools.polling import until
 from tools.postgres import Postgres, binaries
 
 HOSTILE_NAMES = ["", "   ", "x" * 10_000, "x" * (GUEST_NAME_CHARS + 1), "bell\x07",
@@ -208,17 +211,20 @@ async def test_one_address_makes_no_more_guests_an_hour_than_allowed(invites):
 async def turn_refusal(guests, identifier: str, starts_chat: bool = False) -> str | None:
     """store/admission.py's words for a turn of this account now, or None: then the place
     it took is given back at once (the turn is not run)."""
-    from store.admission import Admission
+    from store.admission import Admission, Refused
     from store.usage import Usage
 
-    refused, hold = await Admission(guests.engine, guests.limits).refusal(
-        identifier, profile="Latency-first", source="chat", reserve=0,
-        thread_id=str(uuid.uuid4()), starts_chat=starts_chat)
+    try:
+        hold = await Admission(guests.engine, guests.limits).take(
+            identifier, profile="Latency-first", source="chat", reserve=0,
+            thread_id=str(uuid.uuid4()), starts_chat=starts_chat)
+    except Refused as exc:
+        return str(exc)
     if hold is not None:
         usage = Usage(guests.engine)
         usage.release(hold)
         await usage.settle()
-    return refused
+    return None
 
 
 async def turn_cost(engine, identifier: str, day: str, at: str, tokens: int) -> None:
@@ -315,6 +321,26 @@ async def server():
 
 def link_token(printed: str) -> str:
     return printed.strip().splitlines()[-1].rsplit("/invite/", 1)[1]
+
+
+async def costs_written(server, client: ChatClient, count: int) -> int:
+    """How many of the client's account's turns have their cost written (each process
+    writes them within FLUSH_S), once `count` have (or the wait's deadline passed)."""
+    async with httpx.AsyncClient(base_url=server.url,
+                                 cookies={"access_token": client._token}) as http:
+        who = (await http.get("/user")).json()["identifier"]
+    db = connect(database_url(Path(server.env["VCHAT_DATA_DIR"])))
+
+    async def written() -> int:
+        async with db.connect() as conn:
+            return (await conn.execute(text(
+                'SELECT COUNT(*) FROM usage WHERE "identifier" = :i AND NOT "pending"'),
+                {"i": who})).scalar_one()
+
+    try:
+        return await until(written, lambda n: n >= count)
+    finally:
+        await db.dispose()
 
 
 async def join(server, token: str, name) -> httpx.Response:
@@ -469,7 +495,7 @@ async def test_a_guest_starts_no_more_chats_than_allowed_and_cannot_open_another
     await guest.emit_message("one chat too many")
     toast = await guest.wait_for("toast", since=start, timeout=30)
     assert f"{GUEST_CHATS} chats at most" in guest.events[toast].data["message"]
-    await asyncio.sleep(1)
+    await guest.settings(max_tokens=8)  # answered after anything the message could start
     assert not [e for e in guest.events[start:] if e.name == "stream_start"]
     async with httpx.AsyncClient(base_url=server.url,
                                  cookies={"access_token": guest._token}) as http:
@@ -598,15 +624,13 @@ async def test_the_open_demo_lets_visitors_chat_up_to_its_cap_and_says_it_is_a_d
 
 
 async def test_a_guest_past_its_messages_a_minute_is_told_to_wait_and_so_is_regenerate(server):
-    from store.usage import FLUSH_S
-
     token = link_token(store_command(server, "invites", "add", "--uses", "1", "--expires",
                                      "1h"))
     guest = await guest_of(server, token, "Chatty")
     for n in range(GUEST_TURNS_PER_MINUTE):
         last = await guest.send(f"message {n}")
         assert last.reply is not None
-    await asyncio.sleep(FLUSH_S + 0.5)  # the turns' costs written: counted
+    assert await costs_written(server, guest, GUEST_TURNS_PER_MINUTE) == GUEST_TURNS_PER_MINUTE
     start = len(guest.events)
     await guest.emit_message("one more")
     toast = await guest.wait_for("toast", since=start, timeout=30)
@@ -617,6 +641,6 @@ async def test_a_guest_past_its_messages_a_minute_is_told_to_wait_and_so_is_rege
         pressed = await http.post("/project/action", json={"sessionId": guest.session_id,
                                                             "action": button})
     assert pressed.status_code == 429 and "a minute" in pressed.text
-    await asyncio.sleep(1)
+    await guest.settings(max_tokens=8)  # answered after anything the two could start
     assert not [e for e in guest.events[start:] if e.name == "stream_start"]
     await guest.close()

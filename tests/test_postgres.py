@@ -66,7 +66,8 @@ async def test_chainlits_layer_round_trips_and_reports_failures_on_postgresql(db
     from chainlit.types import Pagination, ThreadFilter
     from chainlit.user import User
 
-    from store.data_layer import ChatDataLayer, StoreError
+    from chat.data_layer import ChatDataLayer
+    from store.schema import StoreError
 
     engine = connect(db_url)
     await migrate(engine)
@@ -102,7 +103,7 @@ async def test_chainlits_layer_round_trips_and_reports_failures_on_postgresql(db
 @pytest.fixture
 async def layer(db_url):
     """The chat data layer on a new database at the current schema version."""
-    from store.data_layer import ChatDataLayer
+    from chat.data_layer import ChatDataLayer
 
     engine = connect(db_url)
     await migrate(engine)

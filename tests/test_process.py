@@ -10,12 +10,13 @@ import asyncio
 import signal
 import time
 
+import httpx
 import psutil
 
 from chat.view import STARTING, STOPPING_PAGE
 from tools.chainlit_client import ChatClient, Server
 
-
+API_KEY = "operator-key-for-the-shutdown-test"
 GRACE_S = 6
 
 
@@ -25,7 +26,7 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
     # test model on an H200 wrote latency-first's 1,024 within the grace period. The short
     # one shares its engine (on two engines a CPU's two cores are shared, and it was cut).
     server = Server({"VCHAT_SHUTDOWN_GRACE_S": str(GRACE_S), "VCHAT_BENCH_IGNORE_EOS": "1",
-                     "VCHAT_MAX_MODEL_LEN": "8192"})
+                     "VCHAT_MAX_MODEL_LEN": "8192", "VCHAT_API_KEY": API_KEY})
     try:
         await server.wait_http()
         status, health = await server.ready_state()
@@ -91,6 +92,11 @@ async def test_start_serve_during_startup_and_graceful_shutdown():
 
         refused = await late.send("Are you still there?", timeout=30)
         assert refused.reply is None and any("shutting down" in n for n in refused.notes)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            api = await http.post("/v1/chat/completions", json={
+                "model": "Latency-first", "messages": [{"role": "user", "content": "Hi?"}]},
+                headers={"authorization": f"Bearer {API_KEY}"})
+        assert api.status_code == 503 and "shutting down" in api.json()["error"]["message"]
         status, health = await server.ready_state()
         assert status == 503 and health["status"] == "stopping"
         assert await server.get("/notice") == {"ready": False, "notice": STOPPING_PAGE}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from bench.vllm_server import VllmServer
+from tools.vllm_server import VllmServer
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 from engine.config import Remote
 from engine.decoding import Decoding, Piece

@@ -4,7 +4,7 @@ engine arguments as vLLM server flags, and its table (no engine, no server)."""
 import pytest
 
 from bench.serve_compare import parse_args, ratios, table
-from bench.vllm_server import server_flags
+from tools.vllm_server import server_flags
 
 
 def test_options_are_checked_before_anything_starts(capsys):

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from bench.waiting_turn import generate as tokens_of
 from engine import Engines, load_config
 from tests.test_engine import collect, fitted
+from tools.engine_requests import generate as tokens_of
 
 SHARED = "latency-first+throughput-first"
 # Latency-first's pace on this CPU for these tests: shorter than any step here, so while

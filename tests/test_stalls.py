@@ -16,7 +16,8 @@ from chainlit.message import Message
 from chainlit.step import Step
 
 from chat import stalls
-from service import clock, loop
+from chat import clock
+from service import loop
 from tools.chainlit_client import ROOT
 
 

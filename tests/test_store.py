@@ -119,7 +119,7 @@ async def test_repeated_failures_are_slowed_down_and_a_success_resets_them(engin
 
 @pytest.fixture
 async def layer(tmp_path):
-    from store.data_layer import ChatDataLayer
+    from chat.data_layer import ChatDataLayer
 
     url = database_url(tmp_path, env={})
     eng = connect(url)
@@ -178,7 +178,7 @@ async def test_a_thread_with_tags_and_steps_round_trips(layer):
 
 
 async def test_a_failed_write_is_raised_counted_and_reported_for_its_thread(layer):
-    from store.data_layer import StoreError
+    from store.schema import StoreError
 
     init_http_context()
     await layer.update_thread("t-2", name="Second")
@@ -402,7 +402,7 @@ async def hostile_round(layer) -> None:
     from sqlalchemy import event
 
     from store import queries
-    from store.data_layer import StoreError
+    from store.schema import StoreError
 
     init_http_context()
     alice = await layer.create_user(User(identifier="alice", metadata={"session": "s-1"}))

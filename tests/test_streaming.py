@@ -4,6 +4,7 @@ import asyncio
 import time
 
 from chat.streaming import Coalescer, Pace
+from tools.sockets import socket_server
 
 
 class Sink:
@@ -129,16 +130,6 @@ async def test_feed_pulls_a_joining_source_once_per_update_and_loses_nothing(con
     # 400 tokens at 1,000/s take ~0.4 s: a few updates 0.2 s apart, each one pull, where
     # pulling each token as it comes would have pulled 400 times.
     assert pulls == len(sink.sent) <= 5, (pulls, len(sink.sent))
-
-
-async def socket_server(in_line: bool):
-    from bench.loop_turns import socket_server
-    from chat import emits
-
-    sio, sid, eio_socket = await socket_server(in_line)
-    if in_line:
-        emits.install(sio)  # idempotent
-    return sio, sid, eio_socket
 
 
 async def test_an_event_for_one_browser_goes_out_without_waiting_for_the_event_loop():

@@ -8,25 +8,14 @@ import re
 import pytest
 import yaml
 
-from bench import turn_log
-from bench.paths import run_app
-from bench.workloads import chat
 from engine.launch import has_cuda
 from engine.standin import WORDS
-from tools.chainlit_client import ROOT, ChatClient, Server, engine_of
-
-RATE = 2000  # tokens/s per stream: 2 tokens every 1 ms step
+from tools.chainlit_client import ROOT, ChatClient, engine_of, serving
 
 
-@pytest.fixture(scope="module")
-async def server():
-    srv = Server({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": str(RATE),
-                  "VCHAT_BENCH_IGNORE_EOS": "1"})
-    try:
-        await srv.wait_ready(timeout=120)
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(fast_stand_in):
+    return fast_stand_in
 
 
 async def test_the_stand_in_is_labelled_for_operators_and_users(server):
@@ -37,23 +26,6 @@ async def test_the_stand_in_is_labelled_for_operators_and_users(server):
     notes = [e.data["output"] for e in c.events if e.name == "new_message"]
     assert any("stand-in engine, not a model" in n for n in notes)
     await c.close()
-
-
-async def test_the_bench_spreads_its_users_over_client_processes(server):
-    """bench/app_clients.py: the app path's users in two client processes (as many browsers
-    are), every reply timed on the one clock; bench/turn_log.py then reads from the server's
-    turn log where those turns' first tokens went."""
-    result = await run_app(server.url, "Throughput-first", chat(6, 16, seed=3), 6, processes=2)
-    assert result["completed"] == 6 and result["output_tokens"] == 6 * 16
-    assert len(result["client_cpu"]) == 2 and 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
-    rows = [r for r in turn_log.turns(server.log_path.read_text())
-            if r.get("outcome") == "finished"][-6:]
-    figures = turn_log.summary(rows)["all"]
-    assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
-    assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
-    # Fewer users than processes (the GPU bench's level 1 with its 4): one process each.
-    result = await run_app(server.url, "Throughput-first", chat(1, 8, seed=4), 1, processes=4)
-    assert result["completed"] == 1 and len(result["client_cpu"]) == 1
 
 
 async def test_once_started_the_server_keeps_its_event_loop_from_stalling(server):
@@ -105,14 +77,10 @@ async def small_queue_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiles") / "profiles.yaml"
     path.write_text(yaml.safe_dump(raw))
     # The CPU's streaming pace (160 updates/s in all) on any device.
-    srv = Server({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "10",
-                  "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(path),
-                  "VCHAT_STREAM_EVENTS_PER_S": "160"})
-    try:
-        await srv.wait_ready(timeout=120)
+    async with serving({"VCHAT_ENGINE": "stand-in", "VCHAT_STANDIN_TOKENS_PER_S": "10",
+                        "VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_PROFILES": str(path),
+                        "VCHAT_STREAM_EVENTS_PER_S": "160"}, timeout=120) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 async def test_overload_beyond_the_queue_is_refused_at_once_and_nothing_hangs(

@@ -10,10 +10,11 @@ import os
 
 import pytest
 
-from bench.waiting_turn import SHARED, generate
 from engine import Engines, load_config
 from tests.test_engine import fitted
+from tools.engine_requests import generate
 
+SHARED = "latency-first+throughput-first"  # the one engine both presets share
 LOWER_TURNS = 40  # more than the 24 tokens of a Latency-first step
 
 

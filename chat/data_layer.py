@@ -1,7 +1,7 @@
 """Chainlit's data layer (users, chats, their steps and feedback) on store/schema.py's
-tables, written here rather than inherited: Chainlit 2.12's SQLAlchemy layer pasted thread
-ids into its SQL text, and a client picks a new chat's id (issue 26's injection). Every
-statement is fixed text from store/queries.py with its values bound.
+tables: the adapter between Chainlit and store/, written here rather than inherited
+(Chainlit 2.12's SQLAlchemy layer pasted thread ids into its SQL text, and a client picks a
+new chat's id). Every statement is fixed text from store/queries.py with its values bound.
 
 - What Chainlit's layer did and the app relies on is kept: a step or thread written twice
   keeps the values not given again, thread metadata is merged (a key set to None goes),
@@ -20,7 +20,7 @@ statement is fixed text from store/queries.py with its values bound.
 - JSON columns are written as JSON text and read back as lists and dicts on both
   databases; tag lists are TEXT[] on PostgreSQL, JSON text on SQLite. A thread known to
   exist is not read again before each step (half a turn's statements). Thread times are
-  UTC (service/clock.py's clock, as the app's messages and steps).
+  UTC (chat/clock.py's clock, as the app's messages and steps).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, Th
 from chainlit.user import PersistedUser, User
 from sqlalchemy import text
 
-from service.clock import CLOCK
+from chat.clock import CLOCK
 from store import queries as q
 from store import rows as rows_
-from store.schema import Reader, connect
+from store.schema import Reader, StoreError, connect, failure_text
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,6 @@ USER_THREADS = 1000  # a user's chats the sidebar can page through, newest first
 PAGE_MAX = 100  # chats per page at most, whatever a client asks
 SEARCH_CHARS = 200  # a sidebar search's words beyond this are not used
 SESSION_KEY = "session"  # a login's session id in the user's token (chat/logins.py): not stored
-
-
-def failure_text(exc: Exception) -> str:
-    """A failed statement's error, short enough for a log line and a StoreError."""
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-
-
-class StoreError(RuntimeError):
-    """A write or read the database refused."""
 
 
 def _session_thread() -> str | None:
@@ -148,8 +139,8 @@ class ChatDataLayer(BaseDataLayer):
 
     async def create_user(self, user: User) -> PersistedUser | None:
         """Chainlit reads, then inserts the user of each login: two first logins at once
-        both inserted, and one failed (bench/burst.py's 256 sessions found it; two replicas
-        race the same way). One statement here makes or updates it. A login's session id
+        both inserted, and one failed (256 sessions at once found it; two replicas race the
+        same way). One statement here makes or updates it. A login's session id
         is the token's, never stored."""
         metadata = json.dumps({k: v for k, v in (user.metadata or {}).items()
                                if k != SESSION_KEY})

@@ -2,8 +2,8 @@
 service/turn_metrics.py): per front end, how many turns it ran and the medians of each
 turn's way to its first token.
 
-    python -m bench.turn_log .cache/server-PORT.log [--last 256]   # the last 256 turns
-    python -m bench.turn_log .cache/server-PORT.log --each 256     # every 256 turns in turn
+    python -m tools.turn_log .cache/server-PORT.log [--last 256]   # the last 256 turns
+    python -m tools.turn_log .cache/server-PORT.log --each 256     # every 256 turns in turn
 
 Fields: to_turn_ms (the message's arrival -> its turn's start: the login check, Chainlit's
 handling), ttft_ms (the engine: the request -> its first token), app_ttft_ms (the arrival

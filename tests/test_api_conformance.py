@@ -14,10 +14,9 @@ import importlib.util
 
 import pytest
 
+from tests.conftest import API_KEY
 from tools import conformance
-from tools.chainlit_client import serving
 
-KEY = "conformance-key-for-tests-0123456789"
 
 # Test ids relative to vLLM's tests/entrypoints/openai/ (each passes on vLLM's own server
 # with the embedded model: bench/results/conformance-vllm-cpu.json).
@@ -51,16 +50,14 @@ def fetched() -> bool:
 
 
 @pytest.fixture(scope="module")
-async def outcomes(tmp_path_factory):
+async def outcomes(tmp_path_factory, api_app):
     fetched()
     if importlib.util.find_spec("tblib") is None:
         pytest.fail("vLLM's tests/conftest.py needs tblib: it is a test dependency to pin")
     junit = tmp_path_factory.mktemp("conformance") / "junit.xml"
-    async with serving({"VCHAT_API_KEY": KEY}) as server:
-        ids = [f"{conformance.OPENAI_DIR}/{t}" for t in SUBSET]
-        code = await asyncio.to_thread(
-            conformance.run_pytest, server.url, KEY, [], junit, ids)
-        assert code in (0, 1), f"pytest of vLLM's tests exited {code}"
+    ids = [f"{conformance.OPENAI_DIR}/{t}" for t in SUBSET]
+    code = await asyncio.to_thread(conformance.run_pytest, api_app.url, API_KEY, [], junit, ids)
+    assert code in (0, 1), f"pytest of vLLM's tests exited {code}"
     return conformance.outcomes(junit.with_suffix(".jsonl"))
 
 

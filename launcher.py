@@ -1,0 +1,238 @@
+"""What `make run` starts: the app as several processes on one port, sharing each engine's
+core:
+
+    python -m launcher --host 0.0.0.0 --port 8000 [--front-ends N]
+    (VCHAT_FRONT_ENDS gives the count, `auto` by default: with an NVIDIA GPU one per 4
+    cores, at most 4; without, 1: then this is `chainlit run app.py`)
+
+One app process streams every user's reply and runs vLLM's output handling on one Python
+thread; on a GPU that thread is what limits the app at a few hundred streams (BENCHMARKS.md).
+Here this launcher binds the port, starts each local engine's core once
+(engine/cores.py) and then N front ends, each the whole app (`chainlit run app.py`'s
+server) attached to those cores. Each front end listens on the port with a socket of its own
+(SO_REUSEPORT) and the kernel hands each new connection to one of them by its addresses
+(VCHAT_CONNECTION_SPREAD: `hash`, or `first-free`, one socket that whichever front end
+accepts first), so a browser's socket, and with it its chat, lives in one front end; the
+page is told to use WebSockets only (polling would spread one socket's requests over
+several). The few HTTP calls that name a chat session (a button's action, a custom element)
+reach the front end that holds it: another forwards them (chat/front_ends.py), over its own
+Unix socket in a folder only this user can open, with a secret made for this run.
+
+The launcher stays in front: SIGTERM or Ctrl+C goes to every front end (each finishes its
+replies as `chainlit run` does), then the cores stop. A front end or a core that dies ends
+them all, with status 1, for the supervisor (systemd, Docker) to start the app again: the
+chats are in the database, and pages reconnect.
+
+Every front end shares the data folder's database and its login secret, as replicas do
+(deploy/); a front end's admission counts its own turns against the whole engine (the
+engine's scheduler queues beyond its seats); /ready and /metrics answer for every front end
+(api/ops.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import logging
+import multiprocessing
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import uvicorn
+
+from engine import load_config
+from engine.cores import MAX_FRONT_ENDS, Cores, attach, local_engines
+from engine.errors import ChatError, ConfigError
+from engine.pool import engine_kind
+from engine.settings import check_all, setting
+from engine.standin import StandInEngine
+from service.front_ends import FrontEnd, become
+
+ROOT = Path(__file__).resolve().parent
+STOP_WAIT_S = 30  # past the replies' grace: a front end still running then is killed
+# With a GPU: 4 front ends kept closest to the engine at 256 streams (BENCHMARKS.md); each
+# front end's thread wants a core of its own beside the engine core's.
+MOST_FRONT_ENDS, CORES_EACH = 4, 4
+LISTEN_BACKLOG = 4096  # each front end's share of a burst of connections waits here
+log = logging.getLogger("front_ends")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return start(argv)
+    except (ConfigError, ChatError, ValueError) as exc:  # a message, not a trace
+        raise SystemExit(f"Configuration error: {exc}") from None
+
+
+def start(argv: list[str] | None) -> int:
+    check_all()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--front-ends", type=int, help="default: VCHAT_FRONT_ENDS")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    count = args.front_ends or front_ends_here(setting("VCHAT_FRONT_ENDS"))
+    if not 1 <= count <= MAX_FRONT_ENDS:
+        p.error(f"front ends: 1 to {MAX_FRONT_ENDS}, not {count}")
+    if count == 1:  # the app alone: Chainlit's own command, in this process
+        chainlit = Path(sys.executable).parent / "chainlit"
+        command = [str(chainlit)] if chainlit.exists() else [sys.executable, "-m", "chainlit"]
+        os.chdir(ROOT)
+        os.execv(command[0], command + ["run", "app.py", "--headless", "--host", args.host,
+                                        "--port", str(args.port)])
+    return Launcher(count, args.host, args.port).run()
+
+
+def front_ends_here(asked: int | str) -> int:
+    """VCHAT_FRONT_ENDS's count on this machine: as given, or for `auto` one per CORES_EACH
+    cores (at most MOST_FRONT_ENDS) where an NVIDIA GPU is present, else 1. (The device
+    files tell; asking CUDA would load torch into a launcher that may only hand over.)"""
+    if asked != "auto":
+        return int(asked)
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return 1
+    return max(1, min(MOST_FRONT_ENDS, len(os.sched_getaffinity(0)) // CORES_EACH))
+
+
+class Launcher:
+    def __init__(self, count: int, host: str, port: int):
+        self.count, self.host, self.port = count, host, port
+        self.processes: list[multiprocessing.Process] = []
+        self.started = self.stopping = False
+
+    def run(self) -> int:
+        config = load_config()
+        stand_in = getattr(engine_kind(), "func", None) is StandInEngine
+        engines = {} if stand_in else local_engines(config)
+        spread = setting("VCHAT_CONNECTION_SPREAD")
+        listeners = self._listen(spread)
+        folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
+        peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
+        secret = secrets.token_urlsafe(32)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        cores = Cores()
+        context = multiprocessing.get_context("spawn")
+        try:
+            with cores.launching(engines, self.count) as links:
+                for i in range(self.count):
+                    front = FrontEnd(i, self.count, peers, secret)
+                    proc = context.Process(target=serve, name=f"front-end-{i}",
+                                           args=(front, listeners[i], links[i]))
+                    proc.start()
+                    self.processes.append(proc)
+            self.started = True
+            log.info("%d front ends on http://%s:%d (connections spread: %s), engines %s",
+                     self.count, self.host, self.port, spread,
+                     ", ".join(engines) or "(none local)")
+            return self._watch(cores)
+        except Exception as exc:  # an engine's core did not start: vLLM's log says why
+            log.error("the engines could not start (%s): ending every front end", exc)
+            return 1
+        finally:
+            self._end_all()
+            cores.shutdown()
+            for listener in set(listeners):
+                listener.close()
+            for path in peers:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+    def _listen(self, spread: str) -> list[socket.socket]:
+        """Each front end's listening socket on the port: one shared by all (`first-free`:
+        whichever accepts first gets a connection; in a burst a few take most), or one
+        each with SO_REUSEPORT (`hash`: the kernel spreads connections by their addresses,
+        evenly, whatever each front end's load). A port already taken stops the launcher;
+        a plain socket bound first says so also for another launcher's SO_REUSEPORT ones,
+        which would otherwise share the port with these."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        address = (self.host, self.port)
+        try:
+            first = socket.create_server(address, family=family, backlog=LISTEN_BACKLOG)
+            if spread == "first-free":
+                return [first] * self.count
+            self.port = first.getsockname()[1]  # port 0: the one the kernel chose
+            address = (self.host, self.port)
+            first.close()
+            return [socket.create_server(address, family=family, backlog=LISTEN_BACKLOG,
+                                         reuse_port=True) for _ in range(self.count)]
+        except OSError as exc:
+            raise SystemExit(f"Cannot listen on {self.host}:{self.port}: {exc.strerror}")
+
+    def _watch(self, cores) -> int:
+        while not self.stopping:
+            gone = [p for p in self.processes if not p.is_alive()]
+            if gone or not cores.alive():
+                what = f"front end {gone[0].name} (status {gone[0].exitcode})" if gone \
+                    else "an engine's core"
+                log.error("%s stopped: ending every front end, for a restart", what)
+                return 1
+            time.sleep(1)
+        return 0
+
+    def _stop(self, signum, frame) -> None:
+        if not self.started:  # still starting the cores: leave that at once, ending all
+            raise SystemExit(1)
+        if self.stopping:  # a second signal: at once
+            for proc in self.processes:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            return
+        self.stopping = True
+
+    def _end_all(self) -> None:
+        """SIGTERM to every front end still running (each finishes its replies), then kill
+        those still there after STOP_WAIT_S."""
+        for proc in self.processes:
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def serve(front: FrontEnd, listener: socket.socket, links: dict) -> None:
+    """One front end (a process the launcher spawned): the app's Chainlit server on the
+    shared listening socket and on its own Unix socket, its engines attached to the cores."""
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it sends SIGTERM
+    become(front)
+    attach(links)
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    own.bind(front.own_socket)
+    own.listen(128)
+    host, port = listener.getsockname()[:2]
+    os.environ.update(CHAINLIT_HOST=str(host), CHAINLIT_PORT=str(port))
+    os.chdir(ROOT)  # Chainlit reads .chainlit/ and chainlit.md from the folder it runs in
+    sys.argv = ["chainlit", "run", "app.py", "--headless"]
+    serve_on = uvicorn.Server.serve
+
+    async def serve_both(server, sockets=None):  # Chainlit's CLI binds host:port itself
+        return await serve_on(server, sockets=[listener, own])
+
+    uvicorn.Server.serve = serve_both
+    # Only now: Chainlit reads its config (.chainlit/, from the folder it runs in) on import.
+    from chainlit.cli import run_chainlit
+
+    run_chainlit(str(ROOT / "app.py"))
+
+
+if __name__ == "__main__":  # through the module's own name, as the front ends import it
+    from launcher import main as launch
+
+    sys.exit(launch())
