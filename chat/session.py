@@ -54,7 +54,7 @@ class Conversation:
     _last_prompt: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        if self.pace is None:
+        if self.pace is None and self.profile is not None:
             self.pace = Pace(self.profile.limits.turns_per_minute)
 
     @classmethod

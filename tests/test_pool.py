@@ -30,8 +30,10 @@ async def test_shutdown_during_a_restart_leaves_no_engine_running(config):
     while name not in engines.restarting:
         assert time.monotonic() < deadline, "the watchdog never noticed"
         await asyncio.sleep(0.05)
+    restart = engines._restarting[name]  # the restart under way, in its back-off
     engines.shutdown()
-    await asyncio.sleep(RESTART_BACKOFF_S[0] + 3)  # when the restart would have been done
+    await asyncio.wait([restart], timeout=RESTART_BACKOFF_S[0] + 30)
+    assert restart.cancelled(), "the restart went on after shutdown"
     assert engines.engines == {} and engines.restarting == set()
     assert engines.state == "stopped"
 
