@@ -167,9 +167,10 @@ async def on_message(message: cl.Message) -> None:
     conv: Conversation = cl.user_session.get("conversation")
     if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
         log.info("message edited: %d turns leave the history", dropped)
+    user = user_name()
     try:  # chat/guard.py asked the rest before Chainlit stored the message
-        checked = APP.gate.message(message.content, conv.profile, user=user_name())
-        APP.gate.start(user_name(), conv.profile.name, conv.pace, message.content)
+        checked = APP.gate.message(message.content, conv.profile, user=user)
+        APP.gate.start(user, conv.profile.name, conv.pace, message.content)
     except Refusal as exc:  # refused: nothing is stored, the chat goes on
         APP.turns.give_back(hold)
         await cl.Message(content=str(exc)).send()

@@ -48,7 +48,8 @@ class Conversation:
     turns: list[Exchange] = field(default_factory=list)
     told_about_dropping: bool = False
     told_about_short_replies: bool = False
-    pace: Pace | None = None  # one turn at a time, the profile's turns a minute (service/admission.py)
+    # One turn at a time, the profile's turns a minute (service/admission.py).
+    pace: Pace | None = None
     # The last prompt this chat sent, in hashed pieces (prompt_pieces): vLLM's prefix cache
     # likely holds it still, so the next prompt is read from where the two part.
     _last_prompt: list[int] = field(default_factory=list, repr=False)

@@ -10,14 +10,17 @@ async def test_the_bench_spreads_its_users_over_client_processes(fast_stand_in):
     """bench/app_clients.py: the app path's users in two client processes (as many browsers
     are), every reply timed on the one clock; tools/turn_log.py then reads from the server's
     turn log where those turns' first tokens went."""
-    result = await run_app(fast_stand_in.url, "Throughput-first", chat(6, 16, seed=3), 6, processes=2)
+    result = await run_app(fast_stand_in.url, "Throughput-first", chat(6, 16, seed=3), 6,
+                           processes=2)
     assert result["completed"] == 6 and result["output_tokens"] == 6 * 16
-    assert len(result["client_cpu"]) == 2 and 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
+    assert len(result["client_cpu"]) == 2
+    assert 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
     rows = [r for r in turn_log.turns(fast_stand_in.log_path.read_text())
             if r.get("outcome") == "finished"][-6:]
     figures = turn_log.summary(rows)["all"]
     assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
     assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
     # Fewer users than processes (the GPU bench's level 1 with its 4): one process each.
-    result = await run_app(fast_stand_in.url, "Throughput-first", chat(1, 8, seed=4), 1, processes=4)
+    result = await run_app(fast_stand_in.url, "Throughput-first", chat(1, 8, seed=4), 1,
+                           processes=4)
     assert result["completed"] == 1 and len(result["client_cpu"]) == 1
