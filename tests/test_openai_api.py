@@ -13,16 +13,17 @@ import pytest
 from api.openai import refusal
 from engine import Busy, ChatError, Unavailable
 from tests.test_accounts import store_command
-from tools.chainlit_client import TEST_USER, ChatClient, engine_of, serving
+from tests.conftest import API_KEY as OPERATOR_KEY
+from tools.chainlit_client import TEST_USER, ChatClient, engine_of
 
-OPERATOR_KEY = "operator-key-for-tests-0123456789"
+FULL = {"ignore_eos": True}  # vLLM's field: the reply runs to max_tokens, its length known
 
 
-@pytest.fixture(scope="module")
-async def server():
-    # Replies run to max_tokens (the benchmark switch): their lengths are known.
-    async with serving({"VCHAT_API_KEY": OPERATOR_KEY, "VCHAT_BENCH_IGNORE_EOS": "1"}) as srv:
-        yield srv
+@pytest.fixture
+def server(api_app):
+    """The session's app with the operator's key (conftest), shared with the other API
+    tests and the chat's."""
+    return api_app
 
 
 def api(server, key: str = OPERATOR_KEY) -> openai.AsyncOpenAI:
@@ -44,7 +45,7 @@ async def test_every_request_needs_a_key_and_each_profile_is_a_model(server):
 
 async def test_a_whole_completion_with_usage(server):
     reply = await api(server).chat.completions.create(
-        model="Latency-first", messages=ask("Name a colour."), max_tokens=8)
+        model="Latency-first", messages=ask("Name a colour."), max_tokens=8, extra_body=FULL)
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason == "length"
@@ -54,7 +55,7 @@ async def test_a_whole_completion_with_usage(server):
 
 async def test_a_streamed_completion_arrives_in_pieces_with_usage_at_the_end(server):
     stream = await api(server).chat.completions.create(
-        model="Throughput-first", max_tokens=24, stream=True,
+        model="Throughput-first", max_tokens=24, stream=True, extra_body=FULL,
         stream_options={"include_usage": True},
         messages=[{"role": "system", "content": "You are terse."},
                   {"role": "user", "content": "My name is Ann."},
@@ -79,7 +80,8 @@ async def test_an_account_key_acts_as_its_account_until_revoked(server):
     key = made.strip().splitlines()[-1]
     key_id = made.split()[2]
     reply = await api(server, key).chat.completions.create(
-        model="Latency-first", messages=ask("Hello from a script."), max_tokens=4)
+        model="Latency-first", messages=ask("Hello from a script."), max_tokens=4,
+        extra_body=FULL)
     assert reply.usage.completion_tokens == 4
     assert f'"user": "{TEST_USER}"' in server.log() or f"user={TEST_USER}" in server.log()
     assert key not in server.log() and "Hello from a script" not in server.log()
@@ -119,7 +121,7 @@ async def test_10000_short_messages_are_answered_from_the_newest_turns_that_fit(
         sent = messages(oldest)
         assert len(sent) == 10_000
         answers.append(await api(server).chat.completions.create(
-            model="Throughput-first", messages=sent, max_tokens=4))
+            model="Throughput-first", messages=sent, max_tokens=4, extra_body=FULL))
     for reply in answers:
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 4
         assert 1000 < reply.usage.prompt_tokens <= 2048 - 4  # the context: 2,048 here
@@ -136,7 +138,7 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     before = (await server.request("/metrics")).text
     stream = await api(server).chat.completions.create(
         model="Latency-first", messages=ask("Tell me a long story."), max_tokens=1000,
-        stream=True)
+        stream=True, extra_body=FULL)
     seen = 0
     async for chunk in stream:
         seen += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -161,16 +163,24 @@ def stopped(metrics: str) -> float:
 
 
 async def test_api_requests_batch_with_a_chat_users_turn(server):
-    """Scripts and browser users share the engine: they run in the same steps."""
+    """Scripts and browser users share the engine: the five turns of 48 tokens run in the
+    same steps (one after another they would take at least 5 x 48). The chat user's reply
+    is greedy, to a prompt the embedded model answers at length: it runs to its 48."""
+    async def steps() -> int:
+        engines = (await server.ready_state())[1]["engines"]
+        return engine_of({"engines": engines}, "latency-first")["steps"]
+
     user = ChatClient(server.url, "Latency-first")
     await user.connect()
-    assert (await user.settings(max_tokens=48)).messages == []
+    assert (await user.settings(max_tokens=48, temperature=0)).messages == []
     calls = [api(server).chat.completions.create(model="Latency-first", max_tokens=48,
-                                                 messages=ask(f"Question {n}."))
+                                                 messages=ask(f"Question {n}."), extra_body=FULL)
              for n in range(4)]
-    replies = await asyncio.gather(user.send("And mine?"), *calls)
+    before = await steps()
+    replies = await asyncio.gather(
+        user.send("Tell me a very long story about a lighthouse."), *calls)
+    taken = await steps() - before
     await user.close()
     assert replies[0].reply["metadata"]["output_tokens"] == 48
     assert all(r.usage.completion_tokens == 48 for r in replies[1:])
-    engines = (await server.ready_state())[1]["engines"]
-    assert engine_of({"engines": engines}, "latency-first")["peak_running"] >= 5
+    assert taken < 2 * 48, f"{taken} steps for five turns of 48 tokens"

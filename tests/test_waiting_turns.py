@@ -3,14 +3,13 @@ engine as shipped without a GPU (Latency-first's steps of 24 tokens in 12-token 
 pieces, no pace): it is let in and answered while they still run. Before the step plan
 left it room (engine/steps.py), 40 running Throughput-first turns took every token of
 every step, and it got no first token in 60 s while they made 10,288 (BENCHMARKS.md,
-"A waiting Latency-first turn"); the planner's own rule is tested in tests/test_steps.py."""
+"A waiting Latency-first turn"); the planner's own rule is tested in tests/test_steps.py.
+It runs on the session's engines (conftest), which are that shared engine."""
 
 import asyncio
-import os
 
 import pytest
 
-from engine import Engines, load_config
 from tests.test_engine import fitted
 from tools.engine_requests import generate
 
@@ -18,23 +17,15 @@ SHARED = "latency-first+throughput-first"  # the one engine both presets share
 LOWER_TURNS = 40  # more than the 24 tokens of a Latency-first step
 
 
-@pytest.fixture(scope="module")
-async def shipped():
-    pool = Engines(load_config(env={**os.environ, "VCHAT_ENGINES": "shared"}))
-    await pool.start()
-    yield pool
-    pool.shutdown()
-
-
-async def test_a_latency_first_turn_is_answered_while_throughput_first_turns_run(shipped):
-    engine = shipped.engines[SHARED]
+async def test_a_latency_first_turn_is_answered_while_throughput_first_turns_run(engines):
+    engine = engines.engines[SHARED]
     promise = engine.llm.vllm_config.additional_config["vchat_step_classes"]["0"]
     if "max_num_batched_tokens" not in promise:
         pytest.skip(f"Latency-first's steps here are the engine's own ({promise}): "
                     "no smaller budget for the Throughput-first turns to fill")
     llm = engine.llm
     counts: dict = {}
-    prompt = fitted(shipped, "Throughput-first", max_tokens=400)
+    prompt = fitted(engines, "Throughput-first", max_tokens=400)
     low = [asyncio.ensure_future(generate(llm, prompt, 400, 1, counts, i))
            for i in range(LOWER_TURNS)]
     try:
@@ -42,7 +33,7 @@ async def test_a_latency_first_turn_is_answered_while_throughput_first_turns_run
             await asyncio.sleep(0.05)
         before = sum(counts.values())
         lf = asyncio.ensure_future(generate(
-            llm, fitted(shipped, "Latency-first", max_tokens=16), 16, 0, counts, "lf"))
+            llm, fitted(engines, "Latency-first", max_tokens=16), 16, 0, counts, "lf"))
         async with asyncio.timeout(180):  # unplanned, it waited until they ended
             while not counts.get("lf"):
                 assert not lf.done(), lf.exception()
