@@ -22,9 +22,14 @@ run: model
 
 # vLLM's own OpenAI-server test files (tests/test_api_conformance.py runs a few of them) are
 # fetched first, into .cache/vllm-tests; without network those tests are skipped.
+# Two workers (pytest-xdist): much of a test's time is a server starting or waiting on the
+# socket, and the cores are idle for ~40% of a one-process run (BENCHMARKS.md, "Where the
+# test suite's time goes"). tests/conftest.py keeps each file, and the files sharing a
+# session server, on one worker. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test: model
 	-@$(PY) -m tools.conformance fetch > /dev/null
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The README's pictures, from the browser tests' last run (tests/e2e saves them).
 SHOTS := streamed-reply profile-picker history sso-login export-menu

@@ -30,6 +30,35 @@ def pytest_runtest_logreport(report):
             out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
+SHARED_FIXTURES = ("api_app", "engines", "fast_stand_in")  # the session's, below
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
+def pytest_collection_modifyitems(items):
+    """Groups for `make test`'s workers (pytest-xdist, `--dist loadgroup`): a file runs on
+    one worker, so its module's server starts once; files that use the same session server
+    or engines run on the same worker, which starts it once; the browser tests (one
+    package's app) stay together. Without `-n` the marks change nothing."""
+    groups: dict[str, str] = {}  # a file or shared fixture -> the group it joined
+
+    def group_of(key: str) -> str:
+        while groups.get(key, key) != key:
+            key = groups[key]
+        return key
+
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        keys = ["tests/e2e" if path.startswith("tests/e2e/") else path]
+        keys += [name for name in SHARED_FIXTURES if name in item.fixturenames]
+        first = group_of(keys[0])
+        for key in keys[1:]:
+            groups[group_of(key)] = first
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(
+            group_of("tests/e2e" if path.startswith("tests/e2e/") else path)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--soak-turns", type=int, default=160,
                      help="turns in the soak test (tests/test_app.py; `make soak` runs 1,000)")
