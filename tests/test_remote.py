@@ -26,6 +26,7 @@ from engine.decoding import Decoding, Piece
 from engine.model import resolve_model
 from engine.remote import UNREACHABLE, RemoteEngine
 from tools.chainlit_client import ChatClient, Server
+from tools.polling import until
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = "smol"  # the name the test server serves the model under
@@ -338,7 +339,8 @@ async def test_a_server_down_gives_a_clear_message_then_turns_work_once_it_is_ba
     health = await remote_engines.health()
     assert health["status"] == "unreachable" and health["unreachable"] == ["fleet"]
     assert health["engines"]["fleet"]["healthy"] is False
-    await asyncio.sleep(2.5)  # the watchdog's rounds: a remote server is not restarted
+    seen = remote_engines.watch_rounds  # two of the watchdog's rounds: no restart
+    assert await until(lambda: remote_engines.watch_rounds, lambda n: n >= seen + 2) >= seen + 2
     assert remote_engines.restarting == set() and remote_engines.engines["fleet"] is engine
     assert engine.running and engine.num_unfinished_requests() == 0
     model_server.start()  # same port
