@@ -57,6 +57,23 @@ def pytest_collection_modifyitems(items):
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(
             group_of("tests/e2e" if path.startswith("tests/e2e/") else path)))
+        for name in SHARED_FIXTURES:
+            if name in item.fixturenames:
+                LAST_USER[name] = item.nodeid
+
+
+LAST_USER: dict[str, str] = {}  # a shared fixture -> the last test (collection order) using it
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A session server or engine set is let go after the last test that uses it, not at the
+    end of the session: with two workers, one worker's idle app (~4 GB) beside the other's
+    servers brought the machine to 3 GB free. Its users are one xdist group, run in
+    collection order on one worker, so the last of them by collection is the last to run."""
+    for name in SHARED_FIXTURES:
+        if LAST_USER.get(name) == item.nodeid and name in getattr(item, "funcargs", {}):
+            held = item.funcargs[name]
+            held.shutdown() if isinstance(held, Engines) else held.stop()
 
 
 def pytest_addoption(parser):
