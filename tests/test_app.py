@@ -498,7 +498,9 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     assert has_cuda() or any(p.name() == "VLLM::Worker" for p in old)
     for p in cores:
         p.kill()
-    end = await c.wait_for("task_end", since=start, timeout=60)
+    # Alone the cut-off note comes within seconds; beside the other test worker's engines it
+    # once took over 60 s (why it waits for the restart is open: issue 57's note).
+    end = await c.wait_for("task_end", since=start, timeout=240)
     crashed = c.collect(start, end + 1)
     notes = " ".join(crashed.notes)
     assert "stopped unexpectedly" in notes and no_internals(notes), notes
