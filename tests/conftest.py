@@ -46,34 +46,17 @@ def pytest_collection_modifyitems(items):
             key = groups[key]
         return key
 
-    for item in items:
+    def file_of(item) -> str:
         path = item.nodeid.split("::")[0]
-        keys = ["tests/e2e" if path.startswith("tests/e2e/") else path]
-        keys += [name for name in SHARED_FIXTURES if name in item.fixturenames]
+        return "tests/e2e" if path.startswith("tests/e2e/") else path
+
+    for item in items:
+        keys = [file_of(item), *(n for n in SHARED_FIXTURES if n in item.fixturenames)]
         first = group_of(keys[0])
         for key in keys[1:]:
             groups[group_of(key)] = first
     for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(
-            group_of("tests/e2e" if path.startswith("tests/e2e/") else path)))
-        for name in SHARED_FIXTURES:
-            if name in item.fixturenames:
-                LAST_USER[name] = item.nodeid
-
-
-LAST_USER: dict[str, str] = {}  # a shared fixture -> the last test (collection order) using it
-
-
-def pytest_runtest_teardown(item, nextitem):
-    """A session server or engine set is let go after the last test that uses it, not at the
-    end of the session: with two workers, one worker's idle app (~4 GB) beside the other's
-    servers brought the machine to 3 GB free. Its users are one xdist group, run in
-    collection order on one worker, so the last of them by collection is the last to run."""
-    for name in SHARED_FIXTURES:
-        if LAST_USER.get(name) == item.nodeid and name in getattr(item, "funcargs", {}):
-            held = item.funcargs[name]
-            held.shutdown() if isinstance(held, Engines) else held.stop()
+        item.add_marker(pytest.mark.xdist_group(group_of(file_of(item))))
 
 
 def pytest_addoption(parser):
