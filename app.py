@@ -32,6 +32,7 @@ from engine import ChatError, ConfigError, Message
 from engine.settings import setting
 from service import loop
 from service.admission import Refusal
+from service.documents import with_documents
 from store.schema import migrate
 from store.setup import first_admin
 
@@ -42,7 +43,7 @@ try:
     APP = build(http, sio, chainlit_config)
 except (ConfigError, ValueError) as exc:  # a config mistake is a message, not a trace
     raise SystemExit(f"Configuration error: {exc}") from None
-RESUMING = Resuming(APP.config, APP.store)
+RESUMING = Resuming(APP.config, APP.store, APP.attachments.store)
 
 
 @cl.data_layer
@@ -148,6 +149,7 @@ async def chat_end() -> None:
     task = cl.context.session.current_task
     if task is not None and not task.done():
         task.cancel()
+    APP.attachments.drop(cl.context.session.id)  # files attached and never sent
 
 
 @cl.on_settings_update
@@ -165,18 +167,26 @@ async def on_message(message: cl.Message) -> None:
     arrival = APP.guard.arrival(cl.context.session.id)  # taken whatever happens to it
     hold = APP.guard.hold(cl.context.session.id)  # its place in the account's limits, likewise
     conv: Conversation = cl.user_session.get("conversation")
+    # The files that came with it (chat/guard.py stored them); an edit keeps its message's.
+    attached = APP.guard.documents(cl.context.session.id)
+    documents = tuple(attached) or conv.documents_of(message.id)
     if dropped := conv.rewind(message.id):  # an edit: Chainlit took the later turns off the page
         log.info("message edited: %d turns leave the history", dropped)
     user = user_name()
     try:  # chat/guard.py asked the rest before Chainlit stored the message
-        checked = APP.gate.message(message.content, conv.profile, user=user)
+        checked = APP.gate.message(message.content, conv.profile, user=user,
+                                   documents=documents)
         APP.gate.start(user, conv.profile.name, conv.pace, message.content)
     except Refusal as exc:  # refused: nothing is stored, the chat goes on
         APP.turns.give_back(hold)
+        if attached:
+            await APP.attachments.forget(message.id, user)
         await cl.Message(content=str(exc)).send()
         return
-    await APP.turns.take(conv, Message("user", checked.text), message.id, checked.notice,
-                         arrival=arrival, hold=hold)
+    await APP.attachments.show(attached, message.id)
+    await APP.turns.take(conv, Message("user", with_documents(checked.text, documents)),
+                         message.id, checked.notice, arrival=arrival, hold=hold,
+                         documents=documents)
 
 
 @cl.action_callback(REGENERATE)

@@ -27,7 +27,6 @@ it does not stall other users' streams (bench/big_request.py).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -39,11 +38,14 @@ from api.batches import answer_all, read_chat_batch
 from api.call import Call, refusal
 from api.completions import CompletionCall, read_completion
 from api.errors import ApiError
+from api.files import read_files
 from api.requests import json_body, profile_of, read, session_key, with_model_defaults
 from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
 from service.admission import Gate, Refusal
+from service.documents import Reader
+from service.loop import off_the_loop
 from service.turn import Turn
 from service.turn_metrics import TurnMetrics
 from store.usage import Usage
@@ -51,16 +53,6 @@ from store.usage import Usage
 log = logging.getLogger(__name__)
 
 OPERATOR = "operator"  # the turn log's user for the operator's key (VCHAT_API_KEY)
-
-INLINE_BYTES = 64 * 1024  # larger requests are read and fitted in a worker thread
-
-
-async def off_the_loop(size: int, work, *args):
-    """`work(*args)`, in a worker thread for a large request: reading and fitting a
-    history of megabytes on the event loop stalls every user's stream."""
-    if size <= INLINE_BYTES:
-        return work(*args)
-    return await asyncio.to_thread(work, *args)
 
 
 class OpenAIApi:
@@ -70,8 +62,9 @@ class OpenAIApi:
     def __init__(self, engines: Engines, config: Config, turns: TurnMetrics,
                  account_of: Callable[[str], Awaitable[str | None]],
                  operator_key: str | None, usage: Usage, gate: Gate,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, reader: Reader | None = None):
         self.engines, self.config, self.turns = engines, config, turns
+        self.reader = reader  # files in messages read to text (api/files.py); None: off
         self.usage = usage  # each turn's cost stored (store/usage.py)
         # May a request's turns start: the app not shutting down, the account's quota
         # decided as each turn's place is taken (service/admission.py).
@@ -146,7 +139,8 @@ class OpenAIApi:
         account = await self.caller(request)
         session = session_key(request)
         raw = await request.body()  # at most VCHAT_API_MAX_BODY_MB (chat/guard.py)
-        return account, session, await off_the_loop(len(raw), json_body, raw)
+        body = await off_the_loop(len(raw), json_body, raw)
+        return account, session, await read_files(body, self.reader)
 
     async def answer(self, request: Request, read, call_class, known: tuple | None = None
                      ) -> Response:

@@ -7,7 +7,8 @@ new chat's id). Every statement is fixed text from store/queries.py with its val
   keeps the values not given again, thread metadata is merged (a key set to None goes),
   steps, elements and their deletions wait for the chat's first user message
   (`queue_until_user_message`), an element is not stored without a storage provider (none
-  is configured: uploads are off).
+  is configured: attached files are the app's own, store/documents.py, and a chat's are
+  listed with its elements, each a link to its text).
 - Guarded, where Chainlit's was not: a step's id that is another chat's is refused (a
   client chooses its messages' ids), a step or element goes only from the session's own
   chat, a thread's owner never changes, feedback is written and deleted only by the owner
@@ -40,6 +41,7 @@ from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, Th
 from chainlit.user import PersistedUser, User
 from sqlalchemy import text
 
+from chat.attachments import element
 from chat.clock import CLOCK
 from store import queries as q
 from store import rows as rows_
@@ -222,8 +224,10 @@ class ChatDataLayer(BaseDataLayer):
             return None
         steps = await self.execute_sql(q.STEPS_OF_THREAD, {"thread_id": thread_id})
         elements = await self.execute_sql(q.ELEMENTS_OF_THREAD, {"thread_id": thread_id})
+        files = await self.execute_sql(q.DOCUMENTS_OF_THREAD, {"thread_id": thread_id})
         return {**rows_.thread(rows[0]), "steps": [rows_.step(s) for s in steps],
-                "elements": [dict(e) for e in elements]}
+                "elements": [dict(e) for e in elements] +
+                [element(f, thread_id, f["messageId"]) for f in files]}
 
     async def list_threads(self, pagination: Pagination, filters: ThreadFilter
                            ) -> PaginatedResponse:

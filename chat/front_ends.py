@@ -26,7 +26,7 @@ from service.front_ends import PEER_HEADER
 
 ROUTED = ("/project/action", "/project/element", "/project/file")
 NOT_HERE = 421  # Misdirected Request: the session is in another front end
-MAX_BODY = 1 << 20  # what chat/guard.py's BodyLimit lets these routes take
+MAX_BODY = 1 << 20  # what chat/guard.py's BodyLimit lets these routes take (but uploads)
 DROPPED = {"host", "content-length", "connection", "transfer-encoding", "content-encoding",
            PEER_HEADER}
 
@@ -34,15 +34,16 @@ DROPPED = {"host", "content-length", "connection", "transfer-encoding", "content
 class SessionRouting:
     """ASGI middleware: see the module's docstring. `front`: service.front_ends.FrontEnd."""
 
-    def __init__(self, app, front):
+    def __init__(self, app, front, upload_bytes: int = MAX_BODY):
         self.app, self.front = app, front
+        self.max_body = max(MAX_BODY, upload_bytes)  # an attached file is forwarded whole
         self.index = str(front.index).encode()
         self._peers: dict[int, httpx.AsyncClient] = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(ROUTED):
             return await self.app(scope, receive, send)
-        chunks, whole = await _read(receive)
+        chunks, whole = await _read(receive, self.max_body)
         replay = _replay(chunks, whole, receive)
         session = _session_named(scope, b"".join(chunks)) if whole else None
         if session is None or WebsocketSession.get_by_id(session) is not None:
@@ -89,8 +90,8 @@ class SessionRouting:
         return Response(answer.content, answer.status_code, headers=kept)
 
 
-async def _read(receive) -> tuple[list[bytes], bool]:
-    """The request's body up to MAX_BODY (and whether that is all of it)."""
+async def _read(receive, max_body: int) -> tuple[list[bytes], bool]:
+    """The request's body up to `max_body` (and whether that is all of it)."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -100,7 +101,7 @@ async def _read(receive) -> tuple[list[bytes], bool]:
         size += len(chunks[-1])
         if not message.get("more_body"):
             return chunks, True
-        if size > MAX_BODY:
+        if size > max_body:
             return chunks, False
 
 

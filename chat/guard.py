@@ -13,8 +13,11 @@ ordinary account must neither read other accounts' data nor meet a 500).
   the caller's own messages (chat/data_layer.py checks it in the statement); sharing a
   chat is refused while Chainlit's `allow_thread_sharing` is off.
 - Request bodies are bounded before anything reads them (`BodyLimit`): the OpenAI API's
-  by VCHAT_API_MAX_BODY_MB, every other route's by OTHER_BODY_BYTES; Socket.IO bounds its
-  own (engine.io's max_http_buffer_size, 1 MB).
+  by VCHAT_API_MAX_BODY_MB, an attached file's by VCHAT_DOCUMENT_MAX_MB, every other
+  route's by OTHER_BODY_BYTES; Socket.IO bounds its own (engine.io's max_http_buffer_size,
+  1 MB).
+- Attached files (chat/attachments.py): uploaded to the caller's own session only, named by
+  a message of that session only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from chainlit import server as chainlit_server
@@ -35,23 +39,30 @@ from chainlit.types import ShareThreadRequest, UpdateFeedbackRequest
 from chainlit.user_session import user_sessions
 from fastapi import APIRouter, Depends, HTTPException
 from socketio import exceptions as socketio_errors
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import JSONResponse
 
+from chat.attachments import Attachments
 from chat.data_layer import ChatDataLayer
 from chat.logins import Logins, end_session
 from chat.session import Conversation
+from engine import ChatError
 from service.admission import Gate, Refusal
+from service.documents import Document, Unreadable, megabytes
 from service.turn_metrics import Arrival
 from store.admission import Hold
 from store.rows import is_uuid
+from store.schema import StoreError
 
 log = logging.getLogger(__name__)
 
 OTHER_BODY_BYTES = 1 << 20  # any route but the API: Chainlit's bodies are small JSON
+UPLOAD_OVERHEAD = 64 << 10  # a file's multipart wrapping, on top of its size
 FEEDBACK_CHARS = 10_000  # a feedback's comment
 NAME_CHARS = 200  # a message's author name, a chat profile's name
 ACTION_FIELDS = {"name", "payload", "label", "tooltip", "icon", "forId", "id"}
 NOT_READ = "This message could not be read, so it was not sent. Please reload the page."
+NOT_KEPT = "Your attached files could not be stored just now, so the message was not sent."
 LOGIN_ENDED = "Your login has ended: please log in again."
 
 
@@ -100,8 +111,14 @@ def user_message(payload) -> dict | None:
 
 
 class Guard:
-    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool, gate: Gate):
+    def __init__(self, logins: Logins, store: ChatDataLayer, sharing: bool, gate: Gate,
+                 release: Callable[[Hold], None], attachments: Attachments | None = None):
         self.logins, self.store, self.sharing = logins, store, sharing
+        self.release = release  # a place held for a turn that will not run, given back
+        # Files attached to messages (chat/attachments.py); the files of the message each
+        # session's turn is about to answer, until its turn takes them (`documents`).
+        self.attachments = attachments or Attachments(None, None, self.owned_session)
+        self._documents: dict[str, list[Document]] = {}
         # May this session's turn start (service/admission.py): its message, asked before
         # Chainlit stores it, and its place in the account's limits, taken here.
         self.gate = gate
@@ -133,8 +150,10 @@ class Guard:
         self.logins.install(http)
         http.include_router(self.logins.router)
         http.include_router(self.router)
+        http.include_router(self.attachments.router)
         http.add_middleware(BodyLimit, api_bytes=api_body_bytes,
-                            socket_path=chainlit_server.SOCKET_IO_PATH)
+                            socket_path=chainlit_server.SOCKET_IO_PATH,
+                            upload_bytes=self.upload_bytes)
         self._install_socket(sio, origins)
 
     def _install_socket(self, sio, origins: list[str]) -> None:
@@ -167,12 +186,50 @@ class Guard:
         if checked is None:
             await self._tell(session, NOT_READ)
             return
+        try:
+            documents = self.attachments.take(session.id, payload.get("fileReferences"))
+        except Unreadable as exc:
+            await self._tell(session, str(exc))
+            return
         if refused := await self._refusal(session, checked["message"]["output"],
-                                          starts_chat=not session.has_first_interaction):
+                                          starts_chat=not session.has_first_interaction,
+                                          documents=documents) \
+                or await self._keep(session, checked["message"]["id"], documents):
+            self.attachments.put_back(session.id, documents)
             await self._tell(session, refused)
             return
+        if documents:
+            self._documents[session.id] = documents
         self._arrived[session.id] = Arrival(arrived, checked=time.monotonic())
         return await self._message(sid, checked)
+
+    async def _keep(self, session: WebsocketSession, message_id: str,
+                    documents: list[Document]) -> str | None:
+        """The message's files stored with its chat, before Chainlit stores the message;
+        why not (the account's storage is full, the database away), its place given back."""
+        if not documents:
+            return None
+        try:
+            await self.attachments.keep(session.user.identifier, session.thread_id,
+                                        message_id, documents)
+        except (ChatError, StoreError, SQLAlchemyError) as exc:
+            if held := self.hold(session.id):
+                self.release(held)
+            if isinstance(exc, ChatError):
+                return str(exc)
+            log.error("storing attached files failed: %s", exc)
+            return NOT_KEPT
+        return None
+
+    def documents(self, session_id: str) -> list[Document]:
+        """The files of the message now being answered in this session (taken)."""
+        return self._documents.pop(session_id, [])
+
+    @property
+    def upload_bytes(self) -> int:
+        """The largest upload's body."""
+        limits = self.attachments.limits
+        return limits.max_bytes + UPLOAD_OVERHEAD if limits is not None else OTHER_BODY_BYTES
 
     def arrival(self, session_id: str) -> Arrival | None:
         """When the message now being answered in this session reached the server and
@@ -211,7 +268,8 @@ class Guard:
         return session
 
     async def _refusal(self, session: WebsocketSession, text: str | None,
-                       starts_chat: bool = False) -> str | None:
+                       starts_chat: bool = False, documents: list[Document] = ()
+                       ) -> str | None:
         """Why this session's turn may not start, asked of the gate before Chainlit sees its
         message (so a refused one is not stored): the message (`text`; None for a button's
         turn) and the account's limits. None: it may, its place held for it (`hold`)."""
@@ -221,7 +279,7 @@ class Guard:
             if conv is not None and text is not None:
                 self.gate.message(text, conv.profile, user=user,
                                   system_prompt=conv.settings.system_prompt,
-                                  max_tokens=conv.settings.max_tokens)
+                                  max_tokens=conv.settings.max_tokens, documents=documents)
             hold = await self.gate.place(
                 user, profile=session.chat_profile or "?", source="chat",
                 reserve=conv.settings.max_tokens if conv is not None else 0,
@@ -309,6 +367,7 @@ class Guard:
 
 
 API_PATHS = ("/v1/", "/invocations", "/tokenize", "/detokenize")  # api/openai.py's routes
+UPLOAD_PATH = "/project/file"  # chat/attachments.py's
 
 
 class BodyLimit:
@@ -317,17 +376,20 @@ class BodyLimit:
     on the API's routes and Chainlit's ({"detail"}) elsewhere. The Socket.IO mount bounds
     its own."""
 
-    def __init__(self, app, api_bytes: int, socket_path: str):
+    def __init__(self, app, api_bytes: int, socket_path: str,
+                 upload_bytes: int = OTHER_BODY_BYTES):
         self.app, self.api_bytes, self.socket_path = app, api_bytes, socket_path
+        self.upload_bytes = upload_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"].startswith(self.socket_path):
             return await self.app(scope, receive, send)
         api = scope["path"].startswith(API_PATHS)
-        limit = self.api_bytes if api else OTHER_BODY_BYTES
+        limit = self.api_bytes if api else self.upload_bytes \
+            if scope["path"] == UPLOAD_PATH else OTHER_BODY_BYTES
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._refuse(send, api, limit)
+            return await self._refuse(send, api, limit, scope["path"] == UPLOAD_PATH)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -336,7 +398,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:
-                return await self._refuse(send, api, limit)
+                return await self._refuse(send, api, limit, scope["path"] == UPLOAD_PATH)
             more = message.get("more_body", False)
         body, replayed = b"".join(chunks), False
 
@@ -350,8 +412,9 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
     @staticmethod
-    async def _refuse(send, api: bool, limit: int) -> None:
-        text = f"The request body is over this server's limit of {limit:,} bytes."
+    async def _refuse(send, api: bool, limit: int, upload: bool = False) -> None:
+        text = f"The file is over this chat's limit of {megabytes(limit - UPLOAD_OVERHEAD)}." \
+            if upload else f"The request body is over this server's limit of {limit:,} bytes."
         payload = {"error": {"message": text, "type": "invalid_request_error",
                              "code": "request_too_large"}} if api else {"detail": text}
         body = json.dumps(payload).encode()

@@ -17,6 +17,7 @@ from chat.session import Conversation, cut_off_run, stored_turns
 from chat.view import CUT_OFF
 from engine.config import Config, Profile
 from chat.data_layer import ChatDataLayer
+from store.documents import Documents
 from store.schema import StoreError
 from store.guests import invited_profile
 
@@ -31,15 +32,19 @@ def session_profile(config: Config) -> Profile:
 
 
 class Resuming:
-    def __init__(self, config: Config, store: ChatDataLayer):
+    def __init__(self, config: Config, store: ChatDataLayer, documents: Documents | None = None):
         self.config, self.store = config, store
+        self.documents = documents  # the chats' attached files (store/documents.py)
 
     async def continue_chat(self, thread: ThreadDict) -> Conversation:
         """This session goes on with a stored chat: its turns, its settings panel, the chat
         marked as this session's (a later reconnect elsewhere finds it), and a turn that
         its process's end cut off said."""
         conv = Conversation.start(session_profile(self.config))
-        conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars))
+        files = await self.documents.of_thread(thread["id"], cl.context.session.user.identifier) \
+            if self.documents is not None and cl.context.session.user else {}
+        conv.restore(stored_turns(thread.get("steps") or [], conv.profile.limits.message_chars,
+                                  files), files)
         cl.user_session.set("conversation", conv)
         with contextlib.suppress(StoreError):  # only a later reconnect elsewhere would miss it
             await self.store.take_over(thread["id"], cl.context.session.id)

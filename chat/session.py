@@ -6,12 +6,14 @@ chat/turns.py answers its turns.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from engine import ChatError, Message, Profile, Prompt
 from engine.limits import bounds, shown, system_prompt_fits
 
 from service.admission import Pace
+from service.documents import Document, with_documents
 from service.input import check_message
 from .view import dropped_notice, short_reply_notice
 
@@ -39,6 +41,7 @@ class Exchange:
     reply: Message  # as shown: a stopped reply is the part the user saw
     message_id: str | None = None  # the user's message in the chat (for edits)
     reply_id: str | None = None  # the reply's message in the chat (to answer again)
+    documents: tuple[Document, ...] = ()  # the files attached to the message (in `user`)
 
 
 @dataclass
@@ -75,13 +78,23 @@ class Conversation:
         self.pace.end()
 
     def record(self, user: Message, reply: str, message_id: str | None = None,
-               reply_id: str | None = None) -> None:
-        self.turns.append(Exchange(user, Message("assistant", reply), message_id, reply_id))
+               reply_id: str | None = None, documents: tuple[Document, ...] = ()) -> None:
+        self.turns.append(Exchange(user, Message("assistant", reply), message_id, reply_id,
+                                   tuple(documents)))
 
-    def restore(self, turns: list[tuple[str, str, str, str]]) -> None:
-        """A stored chat's turns (stored_turns), as if they had just been recorded."""
+    def restore(self, turns: list[tuple[str, str, str, str]],
+                documents: dict[str, list[Document]] | None = None) -> None:
+        """A stored chat's turns (stored_turns), as if they had just been recorded, each
+        message with the files it came with (store/documents.py's, by message id): the
+        same text as in the live chat."""
         for message_id, user, reply, reply_id in turns:
-            self.record(Message("user", user), reply, message_id, reply_id)
+            attached = tuple((documents or {}).get(message_id, ()))
+            self.record(Message("user", with_documents(user, attached)), reply, message_id,
+                        reply_id, attached)
+
+    def documents_of(self, message_id: str | None) -> tuple[Document, ...]:
+        """The files that came with one of the chat's messages (an edit keeps them)."""
+        return next((t.documents for t in self.turns if t.message_id == message_id), ())
 
     def take_back(self, reply_id: str | None) -> Exchange | None:
         """The user asked for the last reply again: its turn leaves the history (and is
@@ -170,12 +183,14 @@ def prompt_pieces(token_ids: list[int]) -> list[int]:
 HISTORY_CHARS = "history_chars"
 
 
-def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, str, str]]:
+def stored_turns(steps: list[dict], message_chars: int, with_files: Collection[str] = ()
+                 ) -> list[tuple[str, str, str, str]]:
     """A stored chat's turns, as the live chat recorded them: (the user message's id, its
     text, the reply that answered it (a reply carries HISTORY_CHARS), the reply's id). A
     message that got no reply
     (refused, withdrawn, failed) and the notes around turns are not part of it, as they
-    were not live. The user's text goes through the same check as when it was sent."""
+    were not live. The user's text goes through the same check as when it was sent;
+    `with_files`: the messages that came with files, which need no text."""
     turns, asked = [], None
     for step in sorted(steps, key=lambda s: s.get("createdAt") or ""):
         if step.get("type") == "user_message":
@@ -184,7 +199,9 @@ def stored_turns(steps: list[dict], message_chars: int) -> list[tuple[str, str, 
             chars = (step.get("metadata") or {}).get(HISTORY_CHARS)
             if isinstance(chars, int) and not isinstance(chars, bool):
                 try:
-                    text = check_message(asked.get("output") or "", message_chars).text
+                    text = asked.get("output") or ""
+                    if text.strip() or asked.get("id") not in with_files:
+                        text = check_message(text, message_chars).text
                     turns.append((asked.get("id"), text, (step.get("output") or "")[:chars],
                                   step.get("id")))
                 except ChatError:

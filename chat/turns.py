@@ -27,6 +27,8 @@ from chat.view import (CUT_SHORT, NOT_ANSWERED, NOT_REGENERATED, NOT_SAVED, STAR
 from engine import ChatError, Engines, Message, Prompt
 from engine.settings import setting
 from service.admission import Gate, Refusal
+from service.documents import Document
+from service.loop import off_the_loop
 from service.shutdown import Shutdown
 from service.turn import Turn
 from service.turn_metrics import Arrival, TurnMetrics
@@ -105,7 +107,7 @@ class Turns:
 
     async def take(self, conv: Conversation, user: Message, message_id: str,
                    notice: str | None = None, arrival: Arrival | None = None,
-                   hold: Hold | None = None) -> None:
+                   hold: Hold | None = None, documents: tuple[Document, ...] = ()) -> None:
         """An admitted turn (service/admission.py), answered; whatever goes wrong is said
         plainly. Counted and logged once, however it ends (service/turn.py). `arrival`: when the
         message reached the server and passed each step before its turn (time.monotonic),
@@ -121,7 +123,7 @@ class Turns:
                 await self.withdraw_regenerate()  # the reply that offered it is not the last
                 if notice:
                     await cl.Message(content=notice).send()
-                await self._answer(conv, turn, user, message_id)
+                await self._answer(conv, turn, user, message_id, tuple(documents))
         except asyncio.CancelledError as exc:  # Stop, a closed browser, shutdown: text kept
             ended = exc
             raise
@@ -185,33 +187,38 @@ class Turns:
         try:
             shown = next((m for m in chat_context.get() if m.id == exchange.reply_id), None)
             await (shown or cl.Message(content="", id=exchange.reply_id)).remove()
-            await self.take(conv, exchange.user, exchange.message_id, hold=hold)
+            await self.take(conv, exchange.user, exchange.message_id, hold=hold,
+                            documents=exchange.documents)
         except asyncio.CancelledError:
             pass  # stopped: _answer kept what was shown (or said it was withdrawn)
         finally:
             await cl.context.emitter.task_end()
 
     async def _answer(self, conv: Conversation, turn: Turn, user: Message,
-                      message_id: str) -> None:
-        """One turn: wait for the engines, fit the history, stream the reply, record it."""
+                      message_id: str, documents: tuple[Document, ...]) -> None:
+        """One turn: wait for the engines, fit the history, stream the reply, record it.
+        A long history or message (attached files) is fitted off the event loop."""
         note, reply = WaitNote(conv.profile.name, self.metrics), cl.Message(content="")
         try:
             if self.engines.state == "starting":
                 await note.say(STARTING_TURN)
             await self.engines.ready()
-            prompt = turn.fit(conv.history(), user, system_prompt=conv.settings.system_prompt,
-                              max_tokens=conv.settings.max_tokens)
+            history = conv.history()
+            prompt = await off_the_loop(
+                sum(len(m.content) for m in history) + len(user.content), turn.fit, history,
+                user, system_prompt=conv.settings.system_prompt,
+                max_tokens=conv.settings.max_tokens)
             for notice in conv.notices(prompt):
                 await cl.Message(content=notice).send()
             await self._stream_reply(conv, turn, prompt, reply, note)
         except asyncio.CancelledError:  # Stop, a closed browser, or shutdown's grace ran out
             turn.reply = reply.content
-            await self._end_early(conv, user, reply, message_id)
+            await self._end_early(conv, user, reply, message_id, documents)
             raise
         finally:
             await note.remove()
         turn.reply = reply.content
-        conv.record(user, reply.content, message_id, reply.id)
+        conv.record(user, reply.content, message_id, reply.id, documents)
         reply.metadata = {**reply_metadata(turn.stats, conv.profile.name, prompt.dropped_turns),
                           HISTORY_CHARS: len(reply.content)}
         if conv.settings.show_stats:
@@ -278,14 +285,14 @@ class Turns:
             reading.start()
 
     async def _end_early(self, conv: Conversation, user: Message, reply: cl.Message,
-                         message_id: str) -> None:
+                         message_id: str, documents: tuple[Document, ...]) -> None:
         """Keep what was shown of a reply that ended early, marked as such; a turn withdrawn
         before its reply began is not part of the conversation."""
         closing = self.shutdown.closing
         if not reply.content:
             await cl.Message(content=NOT_ANSWERED if closing else WITHDRAWN).send()
             return
-        conv.record(user, reply.content, message_id, reply.id)
+        conv.record(user, reply.content, message_id, reply.id, documents)
         reply.metadata = {"stopped": True, "profile": conv.profile.name,
                           "cut_by_shutdown": closing, HISTORY_CHARS: len(reply.content)}
         reply.content += CUT_SHORT if closing else "\n\n*Stopped.*"

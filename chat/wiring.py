@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from dataclasses import dataclass
 
+from chainlit.config import SpontaneousFileUploadFeature
 from chainlit.oauth_providers import get_configured_oauth_providers
 
 from api.openai import OpenAIApi
 from api.ops import Ops
 from chat import forget
+from chat.attachments import Attachments
 from chat.data_layer import ChatDataLayer
 from chat.downloads import Downloads
 from chat.front_ends import SessionRouting
@@ -30,11 +33,13 @@ from engine.config import Config
 from engine.settings import check_all, setting
 from service import front_ends, loop
 from service.admission import Gate
+from service.documents import KINDS, Limits, Reader
 from service.shutdown import Shutdown
 from service.turn_metrics import JsonLines, TurnMetrics
 from store.accounts import Accounts, AddressThrottle
 from store.admission import Admission
 from store.api_keys import ApiKeys
+from store.documents import Documents
 from store.guests import Guests
 from store.invites import Invites
 from store.schema import database_url
@@ -61,6 +66,7 @@ class Parts:
     header_login: HeaderLogin | None
     guests: Guests
     guard: Guard
+    attachments: Attachments
     turn_metrics: TurnMetrics
     loop_lag: loop.LoopLag
     gc_pauses: loop.GcPauses
@@ -75,6 +81,28 @@ def configure_logging() -> None:
     # A remote preset's HTTP clients (engine/remote.py) would log every request.
     for client_log in ("httpx", "httpx2"):
         logging.getLogger(client_log).setLevel(logging.WARNING)
+
+
+def page_accepts() -> dict[str, list[str]]:
+    """What the page's file picker offers: the kinds service/documents.py reads, by media
+    type with their extensions (the picker lets a file through by either)."""
+    types = {"text": "text/plain", "html": "text/html", "pdf": "application/pdf",
+             "docx": "application/vnd.openxmlformats-officedocument.wordprocessingml.document"}
+    accepts: dict[str, list[str]] = {}
+    for extension, kind in KINDS.items():
+        accepts.setdefault(types[kind], []).append(f".{extension}")
+    return accepts
+
+
+def documents_parts(store: ChatDataLayer, chainlit_config) -> tuple[Reader | None, Documents]:
+    """What reads attached files (None: VCHAT_DOCUMENTS is off) and where they are kept;
+    the page's attach button set to match (Chainlit's spontaneous_file_upload)."""
+    limits = Limits.from_settings()
+    on = setting("VCHAT_DOCUMENTS")
+    chainlit_config.features.spontaneous_file_upload = SpontaneousFileUploadFeature(
+        enabled=on, accept=page_accepts(), max_files=limits.files,
+        max_size_mb=max(1, math.ceil(limits.max_bytes / (1 << 20))))
+    return (Reader(limits) if on else None), Documents(store.engine, limits.storage_bytes)
 
 
 def build(http, sio, chainlit_config) -> Parts:
@@ -133,15 +161,17 @@ def build(http, sio, chainlit_config) -> Parts:
     # May a turn start (service/admission.py), for the chat and the API alike.
     admission = Admission(store.engine, guests.limits, store.reader)
     gate = Gate(engines, shutdown, admission, turn_metrics)
+    # Files attached to messages, read in processes of their own (chat/attachments.py).
+    attachments = Attachments(*documents_parts(store, chainlit_config), Guard.owned_session)
     # What clients send checked where it enters (chat/guard.py).
     guard = Guard(logins, store, sharing=chainlit_config.features.allow_thread_sharing,
-                  gate=gate)
+                  gate=gate, release=usage.release, attachments=attachments)
     guard.install(http, sio, chainlit_config.project.allow_origins,
                   api_body_bytes=int(setting("VCHAT_API_MAX_BODY_MB") * 1e6))
     # One of several processes sharing each engine's core (launcher.py): calls
     # naming a chat session reach the one holding it, and pages use WebSockets only.
     if front_end is not None and front_end.count > 1:
-        http.add_middleware(SessionRouting, front=front_end)
+        http.add_middleware(SessionRouting, front=front_end, upload_bytes=guard.upload_bytes)
         chainlit_config.project.transports = ["websocket"]
     http.include_router(ops.router)  # /ready, /notice, /metrics
     http.include_router(Downloads(store.engine).router)  # /export/chats[/ID]
@@ -153,7 +183,8 @@ def build(http, sio, chainlit_config) -> Parts:
         joining.send_visitors_to_the_demo(http, logins.live_token)
     forget.report_to(turn_metrics.sessions_held)
     api = OpenAIApi(engines, config, turn_metrics, ApiKeys(store.engine).account_of,
-                    setting("VCHAT_API_KEY"), usage, gate, ignore_eos=ignore_eos)
+                    setting("VCHAT_API_KEY"), usage, gate, ignore_eos=ignore_eos,
+                    reader=attachments.reader)
     http.include_router(api.router)  # /v1
     turns = Turns(engines, turn_metrics, shutdown, gate, store, pace, usage, guard.hold,
                   ignore_eos=ignore_eos)
@@ -161,6 +192,7 @@ def build(http, sio, chainlit_config) -> Parts:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonLines())
     return Parts(config, engines, pace, shutdown, store, accounts, usage, logins,
-                 password_login, sso, oidc, header_login, guests, guard, turn_metrics,
+                 password_login, sso, oidc, header_login, guests, guard, attachments,
+                 turn_metrics,
                  loop.LoopLag(turn_metrics.loop_lag.observe),
                  loop.GcPauses(turn_metrics.gc_paused), gate, turns, set())

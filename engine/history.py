@@ -76,10 +76,11 @@ def fit_history(
             break
         if drop == len(starts):
             raise ChatError(
-                f"Your message is {len(ids):,} tokens long (with the system prompt), but this "
-                f"chat takes at most {budget:,} tokens per prompt ({max_model_len:,} in all, "
-                f"{reserve:,} kept for the reply). Please shorten it, or lower 'Max tokens' "
-                "in the settings. Nothing was sent and your chat is unchanged.")
+                f"Your message is {len(ids):,} tokens long (with the system prompt), "
+                f"{len(ids) - budget:,} tokens over what this chat takes: at most {budget:,} "
+                f"tokens per prompt ({max_model_len:,} in all, {reserve:,} kept for the reply). "
+                "Please shorten it, or lower 'Max tokens' in the settings. Nothing was sent "
+                "and your chat is unchanged.")
         drop = _more_to_drop(ends, len(messages) - len(kept), starts + [len(history)], drop,
                              len(ids) - budget)
     return Prompt(kept, system_prompt, ids, min(max_tokens, max_model_len - len(ids)),

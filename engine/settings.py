@@ -171,6 +171,22 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_READING_NOTE_S", number(0), "2",
             "the chat shows how far the model has read a message (an estimate) when reading "
             "it should take at least this many seconds"),
+    Setting("VCHAT_DOCUMENTS", flag, "1", "files attached to a message (text, code, CSV, "
+            "JSON, HTML, PDF, DOCX): their text goes to the model (0: no attach button)"),
+    Setting("VCHAT_DOCUMENT_MAX_MB", number(0, above=True), "20",
+            "the largest attached file, MB (refused while it arrives)"),
+    Setting("VCHAT_GUEST_DOCUMENT_MAX_MB", number(0), "2",
+            "the largest file a demo guest may attach, MB (0: guests attach nothing)"),
+    Setting("VCHAT_DOCUMENT_FILES", whole(1), "10", "files attached to one message at most"),
+    Setting("VCHAT_DOCUMENT_CHARS", whole(1), "1000000",
+            "characters of text one attached file may hold (about 250K tokens)"),
+    Setting("VCHAT_DOCUMENT_PAGES", whole(1), "1000", "pages an attached PDF may have"),
+    Setting("VCHAT_DOCUMENT_STORAGE_MB", number(0), "200", "the attached files' text that "
+            "one account may keep with its chats, MB (0: no limit)"),
+    Setting("VCHAT_DOCUMENT_READ_S", whole(1), "30", "CPU seconds a file's text may take to "
+            "read (in a process of its own)"),
+    Setting("VCHAT_DOCUMENT_READ_MB", whole(64), "1024", "memory the process reading a file "
+            "may use, MB"),
     Setting("VCHAT_GC_YOUNG_OBJECTS", whole(1), "50000",
             "new objects between Python's young garbage collections (Python's own: 700): "
             "fewer short-lived objects reach the full collections, which stop every session"),

@@ -18,9 +18,11 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine import ChatError, Engines, Message, Profile
+from service.documents import Document, with_documents
 from service.input import CheckedMessage, check_message
 from service.shutdown import Shutdown
 from service.turn_metrics import TurnMetrics, TurnRecord
@@ -77,15 +79,22 @@ class Gate:
         self.metrics = metrics
 
     def message(self, text: object, profile: Profile, *, user: str | None,
-                system_prompt: str | None = None, max_tokens: int | None = None
-                ) -> CheckedMessage:
-        """The message as the model will get it; with `max_tokens`, also refused when the
-        profile's context could not hold it even as a chat's first message."""
+                system_prompt: str | None = None, max_tokens: int | None = None,
+                documents: Sequence[Document] = ()) -> CheckedMessage:
+        """The message as the user wrote it, checked (service/input.py); with `max_tokens`,
+        also refused when the profile's context could not hold it, with its `documents`
+        (service/documents.py), even as a chat's first message. With documents, the user
+        need not write anything."""
         try:
-            checked = check_message(text, profile.limits.message_chars)
+            checked = CheckedMessage("") if documents and isinstance(text, str) and \
+                not text.strip() else check_message(text, profile.limits.message_chars)
             refused = None if max_tokens is None else self.engines.refusal_alone(
-                profile.name, Message("user", checked.text),
+                profile.name, Message("user", with_documents(checked.text, documents)),
                 system_prompt=system_prompt or "", max_tokens=max_tokens)
+            if refused and documents:
+                refused += (f" The attached files ({', '.join(d.name for d in documents)}) "
+                            "are most of it: attach only the part you need (some pages, a "
+                            "section), or choose a profile with a longer context.")
         except ChatError as exc:
             refused = str(exc)
         if refused:

@@ -148,3 +148,15 @@ class LoopLag:
             due = loop.time() + self.every_s
             await asyncio.sleep(self.every_s)
             self.observe(max(0.0, loop.time() - due))
+
+
+INLINE_BYTES = 64 * 1024  # larger requests and messages are read and fitted in a thread
+
+
+async def off_the_loop(size: int, work, *args, **kwargs):
+    """`work(*args, **kwargs)`, in a worker thread when `size` (a request's or message's
+    bytes) is large: reading and fitting megabytes on the event loop stalls every user's
+    stream."""
+    if size <= INLINE_BYTES:
+        return work(*args, **kwargs)
+    return await asyncio.to_thread(work, *args, **kwargs)

@@ -52,6 +52,7 @@ class TurnRecord:
     preset: str | None = None
     request_id: str | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt's, read from vLLM's prefix cache
     output_tokens: int | None = None
     ttft_ms: float | None = None  # in the engine: from its request to its first token
     app_ttft_ms: float | None = None  # in the app: from the message's arrival to the first
@@ -184,6 +185,7 @@ class TurnMetrics:
         if stats is not None:
             record.preset, record.request_id = stats.preset, stats.request_id
             record.prompt_tokens, record.output_tokens = stats.prompt_tokens, stats.output_tokens
+            record.cached_tokens = stats.cached_tokens
             record.ttft_ms = round(stats.ttft_s * 1000, 1) if stats.ttft_s is not None else None
             record.tokens_per_s = round(stats.tokens_per_s, 1)
             record.finish_reason = stats.finish_reason

@@ -34,6 +34,7 @@ _CHATS_OF = 'SELECT "id" FROM threads WHERE "userIdentifier" = :i'
 _REMOVE_ACCOUNT_DATA = [
     'DELETE FROM api_keys WHERE "identifier" = :i',
     'DELETE FROM usage WHERE "identifier" = :i',
+    'DELETE FROM documents WHERE "identifier" = :i',
     f'DELETE FROM feedbacks WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',

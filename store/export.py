@@ -10,11 +10,15 @@ shape, also in the README's "Using the app":
                 "messages": [{"id": "...", "role": "user" | "assistant", "text": "...",
                               "created_at": "...", "profile": "Latency-first" | null,
                               "stopped": false,
+                              "documents": [{"name": "spec.pdf", "kind": "pdf",
+                                             "size": 48213, "text": "..."}],
                               "feedback": {"thumbs": "up" | "down", "comment": "..." | null}
                                           | null}]}]}
 
 Messages are the chat's as the page showed them, oldest first (the app's notices are
-assistant messages too); times are UTC ISO 8601 as stored.
+assistant messages too); times are UTC ISO 8601 as stored. A user message's `documents` are
+the files attached to it, with the text the model read of each (`size`: the file's bytes);
+the Markdown names them under the message.
 
 The Markdown is for reading: a heading per chat and per message. What a user or the model
 wrote cannot pass for the export's own: in their text, outside fenced code
@@ -41,6 +45,8 @@ FORMAT, VERSION = "vchat-chats", 1
 ROLES = {"user_message": "user", "assistant_message": "assistant"}
 _OWN = text('SELECT "id" FROM threads WHERE "userIdentifier" = :owner '
             'ORDER BY "createdAt", "id"')
+_FILES = text('SELECT "messageId", "name", "kind", "size", "text" FROM documents '
+              'WHERE "threadId" = :thread_id ORDER BY "messageId", "position"')
 # Chats with a message in [since, before), whoever owns them (the admin's export).
 _IN_PERIOD = text(
     'SELECT t."id" FROM threads t WHERE EXISTS (SELECT 1 FROM steps s '
@@ -62,6 +68,7 @@ class ExportedMessage:
     profile: str | None = None
     stopped: bool = False
     feedback: dict | None = None  # {"thumbs": "up" | "down", "comment": str | None}
+    documents: list[dict] = field(default_factory=list)  # {"name", "kind", "size", "text"}
 
 
 @dataclass
@@ -85,7 +92,12 @@ async def chat(engine: AsyncEngine, thread_id: str, owner: str | None) -> Export
             return None
         steps = (await conn.execute(text(q.STEPS_OF_THREAD),
                                     {"thread_id": thread_id})).mappings().all()
-    return _chat(rows.decoded(dict(found)), [rows.decoded(dict(s)) for s in steps])
+        files = (await conn.execute(_FILES, {"thread_id": thread_id})).mappings().all()
+    attached: dict[str, list[dict]] = {}
+    for f in files:
+        attached.setdefault(f["messageId"], []).append(
+            {k: f[k] for k in ("name", "kind", "size", "text")})
+    return _chat(rows.decoded(dict(found)), [rows.decoded(dict(s)) for s in steps], attached)
 
 
 async def chats_of(engine: AsyncEngine, owner: str) -> list[ExportedChat]:
@@ -104,7 +116,7 @@ async def chats_in(engine: AsyncEngine, since: date | None, until: date | None,
     return [c for c in [await chat(engine, i, None) for i in ids] if c is not None]
 
 
-def _chat(thread: dict, steps: list[dict]) -> ExportedChat:
+def _chat(thread: dict, steps: list[dict], attached: dict[str, list[dict]]) -> ExportedChat:
     metadata = thread.get("metadata") if isinstance(thread.get("metadata"), dict) else {}
     out = ExportedChat(thread["id"], thread.get("name"), thread.get("userIdentifier"),
                        thread.get("createdAt"), metadata.get("chat_profile"))
@@ -123,7 +135,8 @@ def _chat(thread: dict, steps: list[dict]) -> ExportedChat:
             feedback = rated[step["parentId"]]
         out.messages.append(ExportedMessage(
             step["id"], role, step.get("output") or "", step.get("createdAt"),
-            meta.get("profile"), bool(meta.get("stopped")), feedback))
+            meta.get("profile"), bool(meta.get("stopped")), feedback,
+            attached.get(step["id"], [])))
     if out.profile is None:  # Chainlit stores the chat's profile when its session ends
         out.profile = next((m.profile for m in out.messages if m.profile), None)
     return out
@@ -153,8 +166,10 @@ def as_markdown(chats: list[ExportedChat]) -> str:
             if m.feedback:
                 notes.append(f"thumbs {m.feedback['thumbs']}" + (
                     f": {_line(m.feedback['comment'])}" if m.feedback.get("comment") else ""))
+            files = "".join(f"*Attached: {_line(d['name'])} ({d['size']:,} bytes)*\n\n"
+                            for d in m.documents)
             parts.append(f"## {head} ({m.created_at or '?'}"
-                         f"{'; ' + '; '.join(notes) if notes else ''})\n\n"
+                         f"{'; ' + '; '.join(notes) if notes else ''})\n\n{files}"
                          f"{_markdown_text(m.text)}\n")
     return "\n".join(parts) or "No chats.\n"
 

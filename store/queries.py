@@ -87,6 +87,7 @@ THREADS_OF_USER = (
     'GROUP BY t."id", t."createdAt", t."name", t."userId", t."userIdentifier", t."tags", '
     't."metadata" ORDER BY "updatedAt" DESC NULLS LAST, t."id" LIMIT :limit')
 THREAD_DELETE = ['DELETE FROM feedbacks WHERE "threadId" = :id',
+                 'DELETE FROM documents WHERE "threadId" = :id',
                  'DELETE FROM elements WHERE "threadId" = :id',
                  'DELETE FROM steps WHERE "threadId" = :id',
                  'DELETE FROM threads WHERE "id" = :id']
@@ -100,6 +101,7 @@ STEPS_OF_THREAD = (
     'WHERE s."threadId" = :thread_id ORDER BY s."createdAt", s."id"')
 # A step goes only from the chat it is in (the session's own thread).
 STEP_DELETE = ['DELETE FROM feedbacks WHERE "forId" = :id AND "threadId" = :thread_id',
+               'DELETE FROM documents WHERE "messageId" = :id AND "threadId" = :thread_id',
                'DELETE FROM elements WHERE "forId" = :id AND "threadId" = :thread_id',
                'DELETE FROM steps WHERE "id" = :id AND "threadId" = :thread_id']
 # (The layer keeps those whose metadata says favorite: JSON is read the same on both.)
@@ -129,6 +131,9 @@ ELEMENT_BY_ID = f'SELECT {_ELEMENT_FIELDS} FROM elements WHERE "threadId" = :thr
                 'AND "id" = :id'
 ELEMENTS_OF_THREAD = f'SELECT {_ELEMENT_FIELDS} FROM elements WHERE "threadId" = :thread_id'
 ELEMENT_DELETE = 'DELETE FROM elements WHERE "id" = :id AND "threadId" = :thread_id'
+# A chat's attached files (store/documents.py), without their text, in their messages' order.
+DOCUMENTS_OF_THREAD = ('SELECT "id", "messageId", "name", "kind", "size" FROM documents '
+                       'WHERE "threadId" = :thread_id ORDER BY "messageId", "position"')
 
 HEALTH = "SELECT 1"
 

@@ -212,6 +212,16 @@ def migrations(postgres: bool) -> list[list[str]]:
          'DELETE FROM feedbacks WHERE "id" NOT IN '
          '(SELECT MAX("id") FROM feedbacks GROUP BY "forId")',
          'CREATE UNIQUE INDEX feedbacks_one_per_step ON feedbacks ("forId")'],
+        # 8: files attached to messages (store/documents.py): the text the model read of
+        # each, with its name, the message it came with and its owner; "stored" is the
+        # text's size in UTF-8, what the account's storage limit counts.
+        ['''CREATE TABLE documents (
+            "id" TEXT PRIMARY KEY, "threadId" TEXT NOT NULL, "messageId" TEXT NOT NULL,
+            "identifier" TEXT NOT NULL, "position" INTEGER NOT NULL, "name" TEXT NOT NULL,
+            "kind" TEXT NOT NULL, "size" INTEGER NOT NULL, "stored" INTEGER NOT NULL,
+            "text" TEXT NOT NULL, "createdAt" TEXT NOT NULL)''',
+         'CREATE INDEX documents_by_thread ON documents ("threadId", "messageId")',
+         'CREATE INDEX documents_by_account ON documents ("identifier")'],
     ]
 
 

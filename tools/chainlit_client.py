@@ -180,18 +180,28 @@ class ChatClient:
             if waiter in waiters:
                 waiters.remove(waiter)
 
-    async def send(self, text: str, timeout: float = 300.0) -> Reply:
-        """Send one user message and collect everything until its task ends."""
+    async def attach(self, name: str, data: bytes, mime: str = "application/octet-stream"
+                     ) -> httpx.Response:
+        """Upload a file to this session as the page's attach button does (POST
+        /project/file, multipart); the answer, whose JSON's `id` a message then names."""
+        async with self.api() as http:
+            return await http.post("/project/file", params={"session_id": self.session_id},
+                                   files={"file": (name, data, mime)})
+
+    async def send(self, text: str, timeout: float = 300.0, files: list[str] = ()) -> Reply:
+        """Send one user message (with the attached `files`' ids) and collect everything
+        until its task ends."""
         start = len(self.events)
-        self.last_message_id = await self.emit_message(text)
+        self.last_message_id = await self.emit_message(text, files)
         end = await self.wait_for("task_end", since=start, timeout=timeout)
         return self.collect(start, end + 1)
 
-    async def send_refused(self, text: str, timeout: float = 60.0) -> str:
+    async def send_refused(self, text: str, timeout: float = 60.0, files: list[str] = ()
+                           ) -> str:
         """Send a message that the server refuses before taking it (chat/guard.py: no turn
         starts); the words it shows the page."""
         start = len(self.events)
-        await self.emit_message(text)
+        await self.emit_message(text, files)
         toast = await self.wait_for("toast", since=start, timeout=timeout)
         return self.events[toast].data["message"]
 
@@ -214,14 +224,14 @@ class ChatClient:
             assert time.monotonic() < deadline, "no reply streaming"
             await asyncio.sleep(0.01)
 
-    async def emit_message(self, text: str) -> str:
-        """Send a user message; its id (for `edit`)."""
+    async def emit_message(self, text: str, files: list[str] = ()) -> str:
+        """Send a user message, naming the attached `files` by id; its id (for `edit`)."""
         message_id = str(uuid.uuid4())
         await self.sio.emit("client_message", {
             "message": {"id": message_id, "threadId": "", "name": "User",
                         "type": "user_message", "output": text,
                         "createdAt": datetime.datetime.now(datetime.timezone.utc).isoformat()},
-            "fileReferences": []})
+            "fileReferences": [{"id": f} for f in files]})
         return message_id
 
     async def edit(self, message_id: str, text: str, timeout: float = 300.0) -> Reply:
