@@ -150,6 +150,7 @@ async def chat_end() -> None:
     if task is not None and not task.done():
         task.cancel()
     APP.attachments.drop(cl.context.session.id)  # files attached and never sent
+    APP.guard.documents(cl.context.session.id)  # a message's files its turn never took
 
 
 @cl.on_settings_update

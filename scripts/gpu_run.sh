@@ -9,6 +9,8 @@
 #   scripts/gpu_run.sh OUT compare [ARGS...]       bench.serve_compare (the app against vLLM's
 #                                                  server and the usual Chainlit app, ~5 min)
 #   scripts/gpu_run.sh OUT big-request [ARGS...]   bench.big_request on the shipped engines
+#   scripts/gpu_run.sh OUT documents [ARGS...]     bench.documents (a long document in the
+#                                                  chat beside streaming users)
 #   scripts/gpu_run.sh OUT isolation [ARGS...]     bench.isolation (a long prompt beside
 #                                                  streams) on the shipped shared engine
 #   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
@@ -125,6 +127,13 @@ case "$step" in
       > "$out/big-request.log" 2>&1
     status=$?; grep -v '^{' "$out/big-request.log" | tail -12
     [ "$status" = 0 ] || cp .cache/server-*.log "$out/" 2>/dev/null; exit $status ;;
+  documents)  # bench.documents: the shipped app (compiled, the file's context), a long
+    # document attached beside streaming users
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.documents --out "$out/gpu-documents-run.json" "$@" \
+      > "$out/documents.log" 2>&1
+    status=$?; grep -v '^{' "$out/documents.log" | tail -12
+    cp .cache/server-*.log "$out/" 2>/dev/null; exit $status ;;
   isolation)  # bench.isolation on the shipped shared engine (compiled, the file's context)
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.isolation --out "$out/isolation-${ISOLATION_NAME:-run}.json" "$@" \
