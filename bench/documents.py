@@ -4,10 +4,11 @@ message naming it over the socket), on Latency-first, while `--users` chat users
 long replies the whole run (on Throughput-first: the shared engine serves both) and /health is asked every 50 ms (bench/big_request.py's load).
 
 Each round, with a document of its own (random words: no round finds another's in the
-prefix cache, about `--doc-tokens` tokens):
+prefix cache, about `--doc-tokens` tokens: 29 a line, as Qwen3's tokenizer counted them):
 - its first question: the time from sending to the reply's first streamed piece (the app's
   TTFT), the reading notes the page was shown meanwhile (their percentages), and the other
-  users' update gaps over that window;
+  users' update gaps inside their replies over that window (`gap_*`; bench/big_request.py's
+  count, which also takes in the wait for a new reply's first piece, as `all_gap_*`);
 - a follow-up question in the same chat: its TTFT, and from the app's turn log its prompt
   tokens and those vLLM read from its prefix cache (`cached_tokens`): the hit rate.
 Targets (issue 56): follow-up TTFT <= 0.5 s, its prefix-cache hit rate >= 0.95, the others'
@@ -26,7 +27,7 @@ import random
 import statistics
 import time
 
-from bench.big_request import Load
+from bench.big_request import Load, p
 from bench.cli import whole_number
 from tools.chainlit_client import ChatClient, Server
 from tools.turn_log import turns
@@ -45,7 +46,7 @@ def document(tokens: int, seed: int) -> bytes:
     while made < tokens:
         line = f"{seed}-{len(lines)}: " + " ".join(rng.choice(WORDS) for _ in range(16))
         lines.append(line)
-        made += 22
+        made += 29
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -70,9 +71,29 @@ async def ask(client: ChatClient, text: str, files: list[str] = ()) -> dict:
             "notes": reading_notes(client, since)}
 
 
+def reply_gaps(load: Load, start: float, end: float) -> dict:
+    """The others' update gaps inside their replies (between two pieces of one reply, as
+    bench/isolation.py counts them; the wait between one reply's end and the next one's
+    start is that turn's time to first token, not a gap) overlapping [start, end]."""
+    gaps = []
+    for client in load.clients:
+        last = None
+        for e in client.events:
+            if e.name == "stream_start":
+                last = e.at
+            elif e.name == "stream_token" and last is not None:
+                if e.at >= start and last <= end:
+                    gaps.append(e.at - last)
+                last = e.at
+            elif e.name == "task_end":
+                last = None
+    return {"gap_p95_ms": p(gaps, 95), "gap_max_ms": p(gaps, 100), "gaps": len(gaps)}
+
+
 def logged(server: Server, tokens_at_least: int) -> list[dict]:
     """The turn log's finished turns with at least this many prompt tokens, in order."""
-    return [t for t in turns(server.log()) if t.get("outcome") == "finished"
+    return [t for t in turns(server.log_path.read_text(errors="replace"))
+            if t.get("outcome") == "finished"
             and t.get("prompt_tokens", 0) >= tokens_at_least]
 
 
@@ -96,9 +117,17 @@ async def measure(server: Server, args) -> list[dict]:
             first = await ask(reader, "Summarize this report in one sentence.",
                               [upload.json()["id"]])
             await asyncio.sleep(1.0)  # the others' last gaps of the window
-            window = load.window(first["sent"], first["first"])
+            window = {**{f"all_{k}": v for k, v in
+                         load.window(first["sent"], first["first"]).items()},
+                      **reply_gaps(load, first["sent"], first["first"])}
             follow = await ask(reader, "Which item comes up most often?")
-            read, again = logged(server, args.doc_tokens // 2)[-2:]
+            seen = len(rounds) * 2 + 2  # this round's two turns, once their lines are out
+            for _ in range(100):
+                long_turns = logged(server, args.doc_tokens // 2)
+                if len(long_turns) >= seen:
+                    break
+                await asyncio.sleep(0.1)
+            read, again = long_turns[-2:]
             rounds.append({
                 "doc_bytes": len(data), "upload_s": round(upload_s, 3),
                 "first_ttft_s": first["ttft_s"], "first_prompt_tokens": read["prompt_tokens"],

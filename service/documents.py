@@ -136,7 +136,7 @@ class Reader:
     async def _extract(self, kind: str, data: bytes) -> dict:
         lim = self.limits
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", str(EXTRACT), kind, str(lim.chars), str(lim.pages),
+            sys.executable, "-P", str(EXTRACT), kind, str(lim.chars), str(lim.pages),
             str(lim.read_mb), str(lim.read_s), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:

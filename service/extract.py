@@ -2,9 +2,10 @@
 starts it): the file's bytes on stdin, one JSON object on stdout, {"text": ...} or
 {"refused": why}. Its limits are set before it reads a byte (address space, CPU seconds,
 no file written), so a decompression bomb or a PDF built to loop costs this process, not the
-app's event loop or memory. Run as a script with `python -I`: it imports nothing of the app.
+app's event loop or memory. Run as a script with `python -P` (its folder not on the path):
+it imports nothing of the app, only the standard library, pypdf and python-docx.
 
-    python -I service/extract.py KIND MAX_CHARS MAX_PAGES MEMORY_MB CPU_S < file
+    python -P service/extract.py KIND MAX_CHARS MAX_PAGES MEMORY_MB CPU_S < file
 """
 
 from __future__ import annotations

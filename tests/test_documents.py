@@ -292,6 +292,9 @@ async def test_the_size_the_count_and_the_storage_limits_hold_for_many_at_once(l
     assert big.status_code == 413 and "over this chat's limit of 51 KB" in big.text, big.text
     big = await c.attach("big.txt", b"x" * (60 << 10))
     assert big.status_code == 413 and "big.txt is 60 KB" in big.text, big.text
+    bad = await c.attach("fake.txt", bytes(range(256)) * 8)
+    assert bad.status_code == 400 and "binary" in bad.json()["detail"]
+    assert stored_rows(limited) == 0, "nothing of a refused file is kept"
     answers = await asyncio.gather(*(c.attach(f"n{i}.txt", b"note %d" % i) for i in range(8)))
     assert sorted(a.status_code for a in answers) == [200] * 3 + [400] * 5, "3 files a message"
     assert all("at most 3 files" in a.text for a in answers if a.status_code == 400)
