@@ -181,6 +181,9 @@ def main(argv: list[str]) -> dict:
     except MemoryError:
         return {"refused": "it takes more memory to read than this chat allows (a "
                            "decompression bomb?)"}
+    except ImportError as exc:  # a deployment without pypdf or python-docx
+        return {"refused": f"this server cannot read {kind.upper()} files ({exc.name} is "
+                           "not installed)"}
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def turn_lines(server) -> list[dict]:
 
 async def test_files_reach_the_model_and_come_back_with_the_chat(api_app, formatter, config):
     server, system = api_app, config.profile("Latency-first").system_prompt
-    names = ["notes.md", "report.pdf", "memo.docx", "table.csv"]
+    names = list(KINDS)  # every kind, in one message
     texts = [(await Reader(LIMITS).read(n, KINDS[n][0])) for n in names]
     c = await client(server, max_tokens=8)
     first = await c.send("Which fruits are named?", files=await attached(c, *names))
@@ -195,12 +195,13 @@ async def test_files_reach_the_model_and_come_back_with_the_chat(api_app, format
         thread = next(t for t in chats if t["name"].startswith("Which fruits"))
         stored = (await http.get(f"/project/thread/{thread['id']}")).json()
         assert [e["name"] for e in stored["elements"]] == names
-        link = await http.get(stored["elements"][1]["url"])
+        pdf = stored["elements"][names.index("report.pdf")]["url"]
+        link = await http.get(pdf)
         assert link.status_code == 200 and "rambutan" in link.text
         exported = (await http.get(f"/export/chats/{thread['id']}")).json()
         asked_row = exported["chats"][0]["messages"][0]
         assert [d["name"] for d in asked_row["documents"]] == names
-        assert "tamarind" in asked_row["documents"][2]["text"]
+        assert "tamarind" in asked_row["documents"][names.index("memo.docx")]["text"]
         markdown = (await http.get(f"/export/chats/{thread['id']}",
                                    params={"format": "md"})).text
         assert "*Attached: report.pdf" in markdown
@@ -218,7 +219,7 @@ async def test_files_reach_the_model_and_come_back_with_the_chat(api_app, format
     async with c.api() as http:
         gone = await http.request("DELETE", "/project/thread", json={"threadId": thread["id"]})
         assert gone.status_code == 200
-        assert (await http.get(stored["elements"][1]["url"])).status_code == 404
+        assert (await http.get(pdf)).status_code == 404
 
 
 async def test_a_file_alone_or_with_no_text_and_one_too_long_for_the_context(api_app):
