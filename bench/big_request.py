@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.cli import whole_number
+from bench.cli import report, whole_number
 from tools.chainlit_client import ChatClient, Server
 
 PROFILE = "Latency-first"
@@ -307,11 +307,7 @@ def main() -> None:
     parser.add_argument("--api-key", default=KEY)
     parser.add_argument("--out", help="also write the result (JSON) here")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as out:
-            json.dump(result, out, indent=1)
+    report(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ starts, so a mistyped option costs a clear message, not a traceback minutes into
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from bench.workloads import WORKLOADS
@@ -18,6 +19,14 @@ def whole_number(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is too small: at least 1")
     return value
+
+
+def report(result: dict, out: str | None) -> None:
+    """A bench's result printed as one JSON line, and written to `out` where given."""
+    print(json.dumps(result))
+    if out:
+        with open(out, "w") as written:
+            json.dump(result, written, indent=1)
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import statistics
 import time
 
 from bench.big_request import Load, p
-from bench.cli import whole_number
+from bench.cli import report, whole_number
 from tools.chainlit_client import ChatClient, Server
 from tools.turn_log import turns
 
@@ -200,11 +200,7 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=10.0)
     parser.add_argument("--out", help="also write the result (JSON) here")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as out:
-            json.dump(result, out, indent=1)
+    report(asyncio.run(run(args)), args.out)
 
 
 if __name__ == "__main__":
