@@ -51,9 +51,9 @@ GONE = ("An attached file is no longer on the server (the page was reloaded, or 
 def element(document: Document | dict, thread_id: str, message_id: str) -> dict:
     """The file as Chainlit's page shows it under its message: its name, a link to its
     text."""
-    get = document.get if isinstance(document, dict) else document.__getattribute__
-    return {"id": get("id"), "threadId": thread_id, "type": "file", "name": get("name"),
-            "display": "inline", "forId": message_id, "url": f"/documents/{get('id')}",
+    found = document if isinstance(document, dict) else vars(document)
+    return {"id": found["id"], "threadId": thread_id, "type": "file", "name": found["name"],
+            "display": "inline", "forId": message_id, "url": f"/documents/{found['id']}",
             "mime": "text/plain", "size": None, "chainlitKey": None, "objectKey": None,
             "path": None, "language": None, "page": None, "props": {}, "autoPlay": None,
             "playerConfig": None}

@@ -27,9 +27,6 @@ _ADD = text(
 _OF_THREAD = text(
     'SELECT "id", "messageId", "name", "kind", "size", "text" FROM documents '
     'WHERE "threadId" = :thread AND "identifier" = :i ORDER BY "messageId", "position"')
-_LISTED = text(
-    'SELECT "id", "messageId", "name", "kind", "size", "stored" FROM documents '
-    'WHERE "threadId" = :thread ORDER BY "messageId", "position"')
 _ONE = text('SELECT "id", "name", "kind", "size", "text" FROM documents '
             'WHERE "id" = :id AND "identifier" = :i')
 _FORGET = text('DELETE FROM documents WHERE "messageId" = :message AND "identifier" = :i')
@@ -89,12 +86,6 @@ class Documents:
             out.setdefault(r.messageId, []).append(
                 Document(r.id, r.name, r.kind, r.size, r.text))
         return out
-
-    async def listed(self, thread_id: str) -> list[dict]:
-        """The chat's documents without their text (for the page and the export's list)."""
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(_LISTED, {"thread": thread_id})).all()
-        return [dict(r._mapping) for r in rows]
 
     async def one(self, document_id: str, owner: str) -> Document | None:
         """One of the owner's documents; None for another account's or none."""
