@@ -363,3 +363,21 @@ async def test_a_file_in_an_api_message_is_read_as_the_chat_reads_it(api_app, fo
     with pytest.raises(openai.BadRequestError, match="Files API"):
         await api.chat.completions.create(model="Latency-first", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]}])
+
+
+async def test_regenerate_and_an_edit_keep_the_messages_files(api_app, formatter, config):
+    system = config.profile("Latency-first").system_prompt
+    c = await client(api_app, max_tokens=8)
+    document = await Reader(LIMITS).read("notes.md", KINDS["notes.md"][0])
+    first = await c.send("Which fruit?", files=await attached(c, "notes.md"))
+    asked = formatter.count([Message("user", with_documents("Which fruit?", [document]))],
+                            system)
+    assert first.reply["metadata"]["prompt_tokens"] == asked
+    [button] = c.actions(first.reply["id"])
+    start = await c.press(button)
+    again = c.collect(start, await c.wait_for("task_end", since=start) + 1)
+    assert again.reply["metadata"]["prompt_tokens"] == asked, "Regenerate kept the file"
+    edited = await c.edit(c.last_message_id, "Which fruit, in one word?")
+    assert edited.reply["metadata"]["prompt_tokens"] == formatter.count(
+        [Message("user", with_documents("Which fruit, in one word?", [document]))], system)
+    await c.close()
