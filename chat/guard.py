@@ -49,6 +49,7 @@ from chat.session import Conversation
 from engine import ChatError
 from service.admission import Gate, Refusal
 from service.documents import Document, Unreadable, megabytes
+from service.loop import off_the_loop
 from service.turn_metrics import Arrival
 from store.admission import Hold
 from store.rows import is_uuid
@@ -277,9 +278,12 @@ class Guard:
         user = getattr(session.user, "identifier", None)
         try:
             if conv is not None and text is not None:
-                self.gate.message(text, conv.profile, user=user,
-                                  system_prompt=conv.settings.system_prompt,
-                                  max_tokens=conv.settings.max_tokens, documents=documents)
+                # A long message or its files is tokenized to see whether it fits: in a
+                # worker thread, as the turn's own fitting is (service/loop.py).
+                await off_the_loop(len(text) + sum(len(d.text) for d in documents),
+                                   self.gate.message, text, conv.profile, user=user,
+                                   system_prompt=conv.settings.system_prompt,
+                                   max_tokens=conv.settings.max_tokens, documents=documents)
             hold = await self.gate.place(
                 user, profile=session.chat_profile or "?", source="chat",
                 reserve=conv.settings.max_tokens if conv is not None else 0,
