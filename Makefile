@@ -77,7 +77,7 @@ bench-isolation: model
 	$(PY) -m bench.isolation --report bench/results/isolation-cpu.json \
 		--out bench/results/isolation-cpu.json --png bench/results/isolation-cpu.png
 
-# vLLM 0.32.0's own OpenAI-server tests (12 files of tests/entrypoints/openai/, fetched from
+# vLLM 0.32.0's own OpenAI-server tests (18 files of tests/entrypoints/openai/, fetched from
 # its source package into .cache/vllm-tests) against the app (tools/conformance.py, issue 54);
 # CONFORMANCE_TARGET=vllm runs them against vLLM's own server with the same model (the
 # baseline). Writes bench/results/conformance-cpu.json (conformance-vllm-cpu.json).

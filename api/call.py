@@ -7,6 +7,7 @@ completion's variant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -86,11 +87,15 @@ class Call:
         except Exception as exc:
             return self.failed(exc)
         self.end()
+        return JSONResponse(await self.whole_body())
+
+    async def whole_body(self) -> dict:
+        """The answer once the reply has ended."""
         body = {**self.head(self.kind), "choices": self.whole_choices(), "usage": self.usage()}
         if self.kind == "chat.completion":  # vLLM's own keys, null unless asked
             body.update(prompt_logprobs=self.choices.prompt_logprobs,
                         prompt_token_ids=self.prompt.token_ids if self.token_ids else None)
-        return JSONResponse(body)
+        return body
 
     def whole_choices(self) -> list[dict]:
         choices = self.choices.messages(self.turn.stats.finish_reason, self.logprobs,
@@ -136,27 +141,16 @@ class Call:
 
     async def events(self, first: str | Piece | None, items, include_usage: bool
                      ) -> AsyncIterator[str]:
-        # Leaving early (the client went away: Starlette cancels this generator) closes
-        # `items`, which aborts the request in the engine.
+        """The stream's events (`event_lines`); a refusal mid-stream said as an event.
+        Leaving early (the client went away: Starlette cancels this generator) closes
+        `items`, which aborts the request in the engine."""
         try:
-            for chunk in self.opening():
-                yield chunk
-            item = first
-            while item is not None:
-                piece = self.choices.take(item)
-                for choice, finish in self.piece_chunks(piece):
-                    yield self.chunk(piece.index, choice, finish, self.usage_so_far(piece.index))
-                item = await first_of(items)
-            for index in self.choices.open():  # the plain path ends in the turn's stats
-                for choice, finish in self.ending(index):
-                    yield self.chunk(index, choice, finish, self.usage_so_far(index))
-            if include_usage:
-                yield sse({**self.head(self.chunk_kind), "choices": [],
-                           "usage": self.usage()})
-            yield "data: [DONE]\n\n"
-            self.end()
-        except ApiError as exc:  # refused mid-stream (the engine died): said as an event
-            yield sse({"error": {"message": str(exc), "type": exc.kind, "code": exc.code}})
+            async with contextlib.aclosing(self.event_lines(first, items, include_usage)) \
+                    as lines:
+                async for line in lines:
+                    yield line
+        except ApiError as exc:  # refused mid-stream (the engine died)
+            yield self.error_event(exc)
         except (asyncio.CancelledError, GeneratorExit) as exc:
             self.end(exc)
             raise
@@ -165,6 +159,27 @@ class Call:
             raise
         finally:
             await items.aclose()
+
+    async def event_lines(self, first: str | Piece | None, items, include_usage: bool
+                          ) -> AsyncIterator[str]:
+        for chunk in self.opening():
+            yield chunk
+        item = first
+        while item is not None:
+            piece = self.choices.take(item)
+            for choice, finish in self.piece_chunks(piece):
+                yield self.chunk(piece.index, choice, finish, self.usage_so_far(piece.index))
+            item = await first_of(items)
+        for index in self.choices.open():  # the plain path ends in the turn's stats
+            for choice, finish in self.ending(index):
+                yield self.chunk(index, choice, finish, self.usage_so_far(index))
+        if include_usage:
+            yield sse({**self.head(self.chunk_kind), "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
+        self.end()
+
+    def error_event(self, exc: ApiError) -> str:
+        return sse({"error": {"message": str(exc), "type": exc.kind, "code": exc.code}})
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created,

@@ -10,6 +10,8 @@
     POST /invocations          SageMaker's route, as vLLM's: a body with `messages` is a chat
                                completion, one with `prompt` a completion
     POST /tokenize, /detokenize  vLLM's token routes (tokens.py)
+    POST /v1/responses         OpenAI's Responses API on the same turns (responses.py); a
+                               stored one: GET and DELETE /v1/responses/{id}, POST .../cancel
 
 Requests share everything with the chat UI: the engines and their presets, the admission
 line (a full line answers 429), the profile's limits (message length, max tokens,
@@ -40,6 +42,9 @@ from api.completions import CompletionCall, read_completion
 from api.errors import ApiError
 from api.files import read_files
 from api.requests import json_body, profile_of, read, session_key, with_model_defaults
+from api.responses import KEY as RESPONSE_FIELDS
+from api.responses import (ResponseCall, cancel_running, cancelled, not_found, read_responses,
+                           to_chat)
 from api.tokens import detokenize, tokenize
 from engine import ChatError, Engines
 from engine.config import Config
@@ -48,11 +53,13 @@ from service.documents import Reader
 from service.loop import off_the_loop
 from service.turn import Turn
 from service.turn_metrics import TurnMetrics
+from store.responses import StoredResponses
 from store.usage import Usage
 
 log = logging.getLogger(__name__)
 
 OPERATOR = "operator"  # the turn log's user for the operator's key (VCHAT_API_KEY)
+OPERATOR_OWNER = ""  # whose stored responses the operator's are (no account name is empty)
 
 
 class OpenAIApi:
@@ -62,8 +69,12 @@ class OpenAIApi:
     def __init__(self, engines: Engines, config: Config, turns: TurnMetrics,
                  account_of: Callable[[str], Awaitable[str | None]],
                  operator_key: str | None, usage: Usage, gate: Gate,
-                 ignore_eos: bool = False, reader: Reader | None = None):
+                 ignore_eos: bool = False, reader: Reader | None = None,
+                 stored: StoredResponses | None = None):
         self.engines, self.config, self.turns = engines, config, turns
+        # Responses kept for GET /v1/responses/ID and previous_response_id (None or keep 0:
+        # none, as `vllm serve` without its store)
+        self.stored = stored if stored is not None and stored.keep else None
         self.reader = reader  # files in messages read to text (api/files.py); None: off
         self.usage = usage  # each turn's cost stored (store/usage.py)
         # May a request's turns start: the app not shutting down, the account's quota
@@ -79,6 +90,11 @@ class OpenAIApi:
                             ("/invocations", self.invocations),
                             ("/tokenize", self.tokenize), ("/detokenize", self.detokenize)):
             self.router.add_api_route(path, route, methods=["POST"])
+        self.router.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        self.router.add_api_route("/v1/responses/{response_id}", self.stored_response,
+                                  methods=["GET", "DELETE"])
+        self.router.add_api_route("/v1/responses/{response_id}/cancel", self.cancel_response,
+                                  methods=["POST"])
 
     async def models(self, request: Request) -> Response:
         try:
@@ -114,6 +130,82 @@ class OpenAIApi:
             return await self.answer(request, read_completion, CompletionCall, known)
         return ApiError(400, "An invocation is a chat completion ('messages') or a "
                         "completion ('prompt').").response()
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (api/responses.py): read into a chat completion's turn;
+        `previous_response_id` continues one of the caller's stored responses."""
+        try:
+            account, session, body = await self.read_request(request)
+            owner = OPERATOR_OWNER if account is None else account
+            previous = body.get("previous_response_id")
+            history = None
+            if previous is not None:
+                found = await self.stored.get(str(previous)[:200], owner) \
+                    if self.stored and isinstance(previous, str) else None
+                if found is None:
+                    raise not_found(previous)
+                history = found.messages
+            raw = await request.body()
+            chat = await off_the_loop(len(raw), to_chat, body, history,
+                                      self.config.profiles[0].name)
+            if chat[RESPONSE_FIELDS]["background"] and self.stored is None:
+                raise ApiError(400, "background can only be used where responses are "
+                               "stored, and this server keeps none (VCHAT_API_STORED_RESPONSES"
+                               "=0).")
+            chat = await read_files(chat, self.reader)
+        except ApiError as exc:
+            return exc.response()
+
+        def call(*args) -> ResponseCall:
+            made = ResponseCall(*args)
+            made.stored, made.owner = self.stored, owner
+            return made
+
+        return await self.answer(request, read_responses, call,
+                                 (account, session, chat))
+
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """GET: one of the caller's stored responses (404 for anyone else's); DELETE: it
+        forgotten (a background one stopped first)."""
+        try:
+            owner = await self.owner(request)
+            if request.method == "DELETE":
+                if self.stored is None or await self.stored.get(response_id, owner) is None:
+                    raise not_found(response_id)
+                await cancel_running(response_id)  # the caller's own, found just now
+                await self.stored.forget(response_id, owner)
+                return JSONResponse({"id": response_id, "object": "response",
+                                     "deleted": True})
+            if request.query_params.get("stream") in ("true", "1"):
+                raise ApiError(400, "A stored response is given whole here; leave out "
+                               "'stream'.")
+            found = await self.stored.get(response_id, owner) if self.stored else None
+            if found is None:
+                raise not_found(response_id)
+            return JSONResponse(found.response)
+        except ApiError as exc:
+            return exc.response()
+
+    async def cancel_response(self, request: Request, response_id: str) -> Response:
+        """A background response stopped (vLLM's and OpenAI's: one that has ended cannot
+        be)."""
+        try:
+            owner = await self.owner(request)
+            found = await self.stored.get(response_id, owner) if self.stored else None
+            if found is None:
+                raise not_found(response_id)
+            body = cancelled(found.response)
+            if not await self.stored.cancel(response_id, owner, body):
+                raise ApiError(400, "Cannot cancel a synchronous response.",
+                               code="invalid_request_error")
+            await cancel_running(response_id)
+            return JSONResponse(body)
+        except ApiError as exc:
+            return exc.response()
+
+    async def owner(self, request: Request) -> str:
+        account = await self.caller(request)
+        return OPERATOR_OWNER if account is None else account
 
     async def tokenize(self, request: Request) -> Response:
         return await self.tokens(request, tokenize)

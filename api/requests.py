@@ -107,7 +107,9 @@ def read(body: dict, config: Config) -> tuple[Profile, dict]:
     template = template_options(body)
     history, system = messages_of(body.get("messages"), limits.message_chars,
                                   answered=bool(template))
-    system_prompt = "\n\n".join(m.content for m in system) or profile.system_prompt
+    # The request's own system messages only: without one the model's template decides,
+    # as with `vllm serve` (the profile's system prompt is the chat's).
+    system_prompt = "\n\n".join(m.content for m in system)
     if not system_prompt_fits(limits, system_prompt):
         raise ApiError(400, f"The system prompt is {len(system_prompt):,} characters; "
                        f"{profile.name} takes at most {limits.system_prompt_chars:,}.")

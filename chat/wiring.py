@@ -42,6 +42,7 @@ from store.api_keys import ApiKeys
 from store.documents import Documents
 from store.guests import Guests
 from store.invites import Invites
+from store.responses import StoredResponses
 from store.schema import database_url
 from store.sessions import LoginSessions
 from store.setup import auth_secret, data_dir
@@ -184,7 +185,8 @@ def build(http, sio, chainlit_config) -> Parts:
     forget.report_to(turn_metrics.sessions_held)
     api = OpenAIApi(engines, config, turn_metrics, ApiKeys(store.engine).account_of,
                     setting("VCHAT_API_KEY"), usage, gate, ignore_eos=ignore_eos,
-                    reader=attachments.reader)
+                    reader=attachments.reader,
+                    stored=StoredResponses(store.engine, setting("VCHAT_API_STORED_RESPONSES")))
     http.include_router(api.router)  # /v1
     turns = Turns(engines, turn_metrics, shutdown, gate, store, pace, usage, guard.hold,
                   ignore_eos=ignore_eos)

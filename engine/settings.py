@@ -209,6 +209,10 @@ SETTINGS = {s.name: s for s in (
             "the per-turn log line also holds the user's message and the reply"),
     Setting("VCHAT_API_MAX_BODY_MB", number(0, above=True), "4",
             "the largest OpenAI API request body, MB (a 256K-token context of text fits)"),
+    Setting("VCHAT_API_STORED_RESPONSES", whole(0), "1000",
+            "responses the API keeps per account for GET /v1/responses/ID and a follow-up's "
+            "previous_response_id, the oldest dropped first (0: none kept, `store` ignored "
+            "as by `vllm serve`, `background` refused)"),
     Setting("VCHAT_ENGINE", one_of("vllm", "stand-in"), "vllm",
             "benchmarks only: stand-in replaces the model with filler text"),
     Setting("VCHAT_STANDIN_TOKENS_PER_S", number(0, above=True), "1000",

@@ -35,6 +35,7 @@ _REMOVE_ACCOUNT_DATA = [
     'DELETE FROM api_keys WHERE "identifier" = :i',
     'DELETE FROM usage WHERE "identifier" = :i',
     'DELETE FROM documents WHERE "identifier" = :i',
+    'DELETE FROM api_responses WHERE "identifier" = :i',
     f'DELETE FROM feedbacks WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',

@@ -222,6 +222,13 @@ def migrations(postgres: bool) -> list[list[str]]:
             "text" TEXT NOT NULL, "createdAt" TEXT NOT NULL)''',
          'CREATE INDEX documents_by_thread ON documents ("threadId", "messageId")',
          'CREATE INDEX documents_by_account ON documents ("identifier")'],
+        # 9: responses the API keeps (store/responses.py, OpenAI's `store`): each as
+        # answered, the conversation it ended, its owner and its status.
+        ['''CREATE TABLE api_responses (
+            "id" TEXT PRIMARY KEY, "identifier" TEXT NOT NULL,
+            "createdAt" DOUBLE PRECISION NOT NULL, "status" TEXT NOT NULL,
+            "response" TEXT NOT NULL, "messages" TEXT NOT NULL)''',
+         'CREATE INDEX api_responses_by_account ON api_responses ("identifier", "createdAt")'],
     ]
 
 

