@@ -118,7 +118,8 @@ case "$step" in
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.serve_compare --name gpu-h200 --pairs 2 \
       --num-prompts 128 --output-len 128 "$@" > "$out/compare.log" 2>&1
     status=$?; grep -v '^\s*$' "$out/compare.log" | grep -v Warning | tail -16
-    cp bench/results/serve-compare-gpu-h200.json "$out/" 2>/dev/null
+    # the result this run wrote (named by --name when given), not a committed one
+    cp "$(ls -t bench/results/serve-compare-*.json | head -1)" "$out/" 2>/dev/null
     [ "$status" = 0 ] || cp .cache/server-*.log .cache/vllm-server-*.log "$out/" 2>/dev/null
     exit $status ;;
   big-request)  # the shipped engines (compiled, the file's context): the test sizes unset
