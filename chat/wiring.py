@@ -186,7 +186,8 @@ def build(http, sio, chainlit_config) -> Parts:
     api = OpenAIApi(engines, config, turn_metrics, ApiKeys(store.engine).account_of,
                     setting("VCHAT_API_KEY"), usage, gate, ignore_eos=ignore_eos,
                     reader=attachments.reader,
-                    stored=StoredResponses(store.engine, setting("VCHAT_API_STORED_RESPONSES")))
+                    stored=StoredResponses(store.engine, setting("VCHAT_API_STORED_RESPONSES"),
+                                           int(setting("VCHAT_API_STORED_MB") * 1e6)))
     http.include_router(api.router)  # /v1
     turns = Turns(engines, turn_metrics, shutdown, gate, store, pace, usage, guard.hold,
                   ignore_eos=ignore_eos)

@@ -213,6 +213,9 @@ SETTINGS = {s.name: s for s in (
             "responses the API keeps per account for GET /v1/responses/ID and a follow-up's "
             "previous_response_id, the oldest dropped first (0: none kept, `store` ignored "
             "as by `vllm serve`, `background` refused)"),
+    Setting("VCHAT_API_STORED_MB", number(0, above=True), "100",
+            "the most the API's stored responses of one account may hold, MB (their JSON; "
+            "the oldest dropped first)"),
     Setting("VCHAT_ENGINE", one_of("vllm", "stand-in"), "vllm",
             "benchmarks only: stand-in replaces the model with filler text"),
     Setting("VCHAT_STANDIN_TOKENS_PER_S", number(0, above=True), "1000",

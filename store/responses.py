@@ -4,9 +4,12 @@ with the conversation it ended (the messages a follow-up continues), its owner (
 account's id, or the operator) and its status; a background response's row is written
 queued and rewritten as it ends, unless it was cancelled meanwhile.
 
-An owner keeps at most `keep` responses: the oldest go as a new one is stored, in the same
+An owner keeps at most `keep` responses and `max_chars` characters of them (each response's
+JSON and its conversation's, so a long chain of follow-ups, each holding the conversation so
+far, cannot fill the database): the oldest go as a new one is stored, in the same
 transaction under the owner's lock (store/admission.py `locked`), so requests at the same
-moment cannot keep more. They go with their account too (store/accounts.py).
+moment cannot keep more; one larger than `max_chars` alone is not kept. They go with their
+account too (store/accounts.py).
 """
 
 from __future__ import annotations
@@ -27,12 +30,9 @@ _REWRITE = text(
     'UPDATE api_responses SET "status" = :status, "response" = :response, '
     '"messages" = :messages WHERE "id" = :id AND "identifier" = :i AND "status" <> '
     "'cancelled'")
-_OLDEST = text(
-    'SELECT "id" FROM api_responses WHERE "identifier" = :i '
-    'ORDER BY "createdAt" DESC, "id" DESC LIMIT -1 OFFSET :keep')
-_OLDEST_PG = text(
-    'SELECT "id" FROM api_responses WHERE "identifier" = :i '
-    'ORDER BY "createdAt" DESC, "id" DESC OFFSET :keep')
+_SIZES = text(
+    'SELECT "id", LENGTH("response") + LENGTH("messages") AS "size" FROM api_responses '
+    'WHERE "identifier" = :i ORDER BY "createdAt" DESC, "id" DESC')
 _DROP = text('DELETE FROM api_responses WHERE "id" = :id')
 _ONE = text('SELECT "status", "response", "messages" FROM api_responses '
             'WHERE "id" = :id AND "identifier" = :i')
@@ -50,23 +50,28 @@ class Stored:
 
 
 class StoredResponses:
-    def __init__(self, engine: AsyncEngine, keep: int = 1000):
+    def __init__(self, engine: AsyncEngine, keep: int = 1000, max_chars: int = 100_000_000):
         self.engine = engine
         self.keep = keep  # per owner; the oldest go first
+        self.max_chars = max_chars  # per owner, of the rows' JSON
 
     async def put(self, owner: str, response: dict, messages: list) -> None:
         """A new response stored (its id is the response's), the owner's oldest beyond
-        `keep` dropped in the same transaction."""
+        `keep` or `max_chars` dropped in the same transaction."""
         row = {"id": response["id"], "i": owner, "created": time.time(),
                "status": response["status"], "response": json.dumps(response),
                "messages": json.dumps(messages)}
-        oldest = _OLDEST_PG if self.engine.dialect.name == "postgresql" else _OLDEST
         async with self.engine.begin() as conn:
             await locked(conn, f"responses:{owner}")
             await conn.execute(_PUT, row)
-            gone = (await conn.execute(oldest, {"i": owner, "keep": self.keep})).scalars().all()
+            kept, chars, gone = 0, 0, []
+            for stored, size in (await conn.execute(_SIZES, {"i": owner})).all():
+                if kept < self.keep and chars + size <= self.max_chars:
+                    kept, chars = kept + 1, chars + size
+                else:
+                    gone.append({"id": stored})
             if gone:
-                await conn.execute(_DROP, [{"id": g} for g in gone])
+                await conn.execute(_DROP, gone)
 
     async def rewrite(self, owner: str, response: dict, messages: list) -> bool:
         """A background response's end written over its row; False where it was cancelled

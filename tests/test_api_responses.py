@@ -311,6 +311,8 @@ async def test_an_owner_keeps_at_most_its_limit_of_responses_stored_at_once(tmp_
 
 
 async def race_for_the_limit(stored: StoredResponses) -> None:
+    """24 at once against keep=5, then against a limit on their size: one too large for it
+    alone is not kept, and a large one pushes out as many of the oldest as it takes."""
     await stored.put("other", {"id": "resp_other", "status": "completed"}, [])
     bodies = [{"id": f"resp_{n:02d}", "status": "completed"} for n in range(24)]
     await asyncio.gather(*(stored.put("owner", b, [{"role": "user", "content": str(n)}])
@@ -319,3 +321,12 @@ async def race_for_the_limit(stored: StoredResponses) -> None:
     assert len(kept) == 5
     assert await stored.get("resp_other", "other") is not None
     assert await stored.get("resp_other", "owner") is None
+    stored.max_chars = 10_000
+    await stored.put("owner", {"id": "resp_huge", "status": "completed"},
+                     [{"role": "user", "content": "x" * 20_000}])
+    assert await stored.get("resp_huge", "owner") is None
+    await stored.put("owner", {"id": "resp_big", "status": "completed"},
+                     [{"role": "user", "content": "x" * 9_800}])
+    assert await stored.get("resp_big", "owner") is not None
+    left = [b["id"] for b in bodies if await stored.get(b["id"], "owner") is not None]
+    assert len(left) < len(kept) and left == kept[len(kept) - len(left):]
