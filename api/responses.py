@@ -22,7 +22,6 @@ The other fields vLLM takes on this route are passed as the chat completion take
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from dataclasses import replace
@@ -34,8 +33,6 @@ from api.errors import ApiError
 from api.requests import MAX_MESSAGES, given, read
 from engine import ChatError
 from engine.decoding import Piece
-
-log = logging.getLogger(__name__)
 
 KEY = "\x00responses"  # the Responses fields riding in the chat body to read_responses
 
@@ -290,6 +287,11 @@ def text_format(text) -> dict | None:
                    "\"schema\": {...}}.")
 
 
+def status_of(finish_reason: str | None) -> str:
+    """A response's status from its reply's finish: cut by max_output_tokens, or not."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -335,8 +337,8 @@ class ResponseCall(Call):
     def finished(self) -> tuple[str, list, dict]:
         """(status, output items, usage) once the reply has ended."""
         message = self.choices.messages(self.turn.stats.finish_reason, self.logprobs)[0]
-        status = "incomplete" if message["finish_reason"] == "length" else "completed"
-        return status, self.output_items(message), self.response_usage()
+        return status_of(message["finish_reason"]), self.output_items(message), \
+            self.response_usage()
 
     def output_items(self, message: dict) -> list[dict]:
         """A chat choice's message as Responses output: its text as a message item, each
@@ -352,8 +354,7 @@ class ResponseCall(Call):
 
     def message_item(self, text: str, status: str, logprobs: dict | None = None) -> dict:
         return {"id": self.message_id, "type": "message", "role": "assistant",
-                "status": status, "content": [self.text_part(text, logprobs)] if text or
-                status == "in_progress" else []}
+                "status": status, "content": [self.text_part(text, logprobs)] if text else []}
 
     def text_part(self, text: str, logprobs: dict | None = None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [],
@@ -491,7 +492,7 @@ class ResponseCall(Call):
         output = []
         if opened:
             message = self.message_item("".join(text), "completed")
-            message["content"] = [{**self.text_part("".join(text)), "logprobs": logprobs}]
+            message["content"][0]["logprobs"] = logprobs  # as the deltas gave them
             for event in self.close_message(message):
                 yield event
             output.append(message)
@@ -512,8 +513,7 @@ class ResponseCall(Call):
                              name=done["name"])
             yield self.event("response.output_item.done", output_index=n, item=done)
             output.append(done)
-        status = "incomplete" if self.choices.finish[0] == "length" else "completed"
-        body = self.response(status, output, self.response_usage())
+        body = self.response(status_of(self.choices.finish[0]), output, self.response_usage())
         await self.keep(body)
         yield self.event("response.completed", response=body)
 
@@ -522,19 +522,19 @@ class ResponseCall(Call):
 
     def open_message(self) -> list[str]:
         return [self.event("response.output_item.added", output_index=0,
-                           item=self.message_item("", "in_progress") | {"content": []}),
+                           item=self.message_item("", "in_progress")),
                 self.event("response.content_part.added", item_id=self.message_id,
                            output_index=0, content_index=0, part=self.text_part(""))]
 
     def close_message(self, message: dict) -> list[str]:
-        part = message["content"][0] if message["content"] else self.text_part("")
+        """The done events of a message item that has text (its one part)."""
+        [part] = message["content"]
         return [self.event("response.output_text.done", item_id=self.message_id,
                            output_index=0, content_index=0, text=part["text"],
                            logprobs=part["logprobs"]),
                 self.event("response.content_part.done", item_id=self.message_id,
                            output_index=0, content_index=0, part=part),
-                self.event("response.output_item.done", output_index=0,
-                           item={**message, "content": [part]})]
+                self.event("response.output_item.done", output_index=0, item=message)]
 
 
 RUNNING: dict[str, asyncio.Task] = {}  # background responses of this process, by id
