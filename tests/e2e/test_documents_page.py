@@ -10,12 +10,16 @@ from tools import sample_files as sf
 
 
 async def attach(visit, name: str, mime: str, data: bytes) -> int:
-    """Hand the page's file input a file; the upload's status, once it has answered."""
+    """Hand the page's file input a file; the upload's status, once the page has taken it."""
     async with visit.page.expect_response(lambda r: "/project/file" in r.url,
                                           timeout=60_000) as answer:
         await visit.page.set_input_files("input[type=file]", files=[
             {"name": name, "mimeType": mime, "buffer": data}])
-    return (await answer.value).status
+    status = (await answer.value).status
+    if status == 200:  # the page takes the upload's answer in a moment; until then it
+        # ignores Enter (Chainlit's composer is disabled while a file is uploading)
+        await visit.page.wait_for_selector("#chat-submit:not([disabled])", timeout=30_000)
+    return status
 
 
 async def test_a_pdf_attached_on_the_page_is_read_and_shown_with_the_message(visit):
