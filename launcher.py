@@ -19,9 +19,13 @@ reach the front end that holds it: another forwards them (chat/front_ends.py), o
 Unix socket in a folder only this user can open, with a secret made for this run.
 
 The launcher stays in front: SIGTERM or Ctrl+C goes to every front end (each finishes its
-replies as `chainlit run` does), then the cores stop. A front end or a core that dies ends
-them all, with status 1, for the supervisor (systemd, Docker) to start the app again: the
-chats are in the database, and pages reconnect.
+replies as `chainlit run` does), then the cores stop. A front end that dies is started
+again alone, on the same listening socket, attached to the running cores (engine/cores.py:
+it rejoins, with no warm-up); the others go on streaming, and its users' pages reconnect
+and go on with their chats from the database, a reply it was streaming marked as cut off.
+A front end that dies again and again (RESTARTS within RESTART_WINDOW_S) or a core that
+dies ends them all, with status 1, for the supervisor (systemd, Docker) to start the app
+again.
 
 Every front end shares the data folder's database and its login secret, as replicas do
 (deploy/); a front end's admission counts its own turns against the whole engine (the
@@ -38,17 +42,20 @@ import logging
 import multiprocessing
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
 from engine import load_config
-from engine.cores import MAX_FRONT_ENDS, Cores, attach, local_engines
+from engine.cores import (LOST_SIGNAL, MAX_FRONT_ENDS, Cores, attach, cores_lost,
+                          local_engines)
 from engine.errors import ChatError, ConfigError
 from engine.pool import engine_kind
 from engine.settings import check_all, setting
@@ -61,6 +68,7 @@ STOP_WAIT_S = 30  # past the replies' grace: a front end still running then is k
 # front end's thread wants a core of its own beside the engine core's.
 MOST_FRONT_ENDS, CORES_EACH = 4, 4
 LISTEN_BACKLOG = 4096  # each front end's share of a burst of connections waits here
+RESTARTS, RESTART_WINDOW_S = 3, 300  # a front end dying more often: something is wrong
 log = logging.getLogger("front_ends")
 
 
@@ -108,6 +116,12 @@ class Launcher:
         self.count, self.host, self.port = count, host, port
         self.processes: list[multiprocessing.Process] = []
         self.started = self.stopping = False
+        self.restarts: list[float] = []  # when front ends were started again
+        self.links: list[dict] = []  # each front end's links to the cores, by index
+        self.core_restarts: dict[str, threading.Thread] = {}  # engines whose core starts again
+        self.failed = False  # a core could not start again
+        self.folder = ""  # the run's own folder (0700): peers' sockets, the cores' notes
+        self._start_front = None  # (index, links) -> its process, once the cores run
 
     def run(self) -> int:
         config = load_config()
@@ -115,21 +129,25 @@ class Launcher:
         engines = {} if stand_in else local_engines(config)
         spread = setting("VCHAT_CONNECTION_SPREAD")
         listeners = self._listen(spread)
-        folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's only
+        folder = self.folder = tempfile.mkdtemp(prefix="vchat-front-ends-")  # 0700: this user's
         peers = tuple(str(Path(folder) / f"{i}.sock") for i in range(self.count))
         secret = secrets.token_urlsafe(32)
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         cores = Cores()
         context = multiprocessing.get_context("spawn")
+
+        def start_front(i: int, links: dict) -> multiprocessing.Process:
+            front = FrontEnd(i, self.count, peers, secret)
+            proc = context.Process(target=serve, name=f"front-end-{i}",
+                                   args=(front, listeners[i], links))
+            proc.start()
+            return proc
+
         try:
-            with cores.launching(engines, self.count) as links:
-                for i in range(self.count):
-                    front = FrontEnd(i, self.count, peers, secret)
-                    proc = context.Process(target=serve, name=f"front-end-{i}",
-                                           args=(front, listeners[i], links[i]))
-                    proc.start()
-                    self.processes.append(proc)
+            with cores.launching(engines, self.count, folder) as links:
+                self.processes = [start_front(i, links[i]) for i in range(self.count)]
+            self.links, self._start_front = links, start_front
             self.started = True
             log.info("%d front ends on http://%s:%d (connections spread: %s), engines %s",
                      self.count, self.host, self.port, spread,
@@ -143,11 +161,7 @@ class Launcher:
             cores.shutdown()
             for listener in set(listeners):
                 listener.close()
-            for path in peers:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+            shutil.rmtree(folder, ignore_errors=True)  # peers' sockets, the cores' notes
 
     def _listen(self, spread: str) -> list[socket.socket]:
         """Each front end's listening socket on the port: one shared by all (`first-free`:
@@ -170,16 +184,71 @@ class Launcher:
         except OSError as exc:
             raise SystemExit(f"Cannot listen on {self.host}:{self.port}: {exc.strerror}")
 
-    def _watch(self, cores) -> int:
+    def _watch(self, cores: Cores) -> int:
         while not self.stopping:
-            gone = [p for p in self.processes if not p.is_alive()]
-            if gone or not cores.alive():
-                what = f"front end {gone[0].name} (status {gone[0].exitcode})" if gone \
-                    else "an engine's core"
-                log.error("%s stopped: ending every front end, for a restart", what)
+            if self.failed:
                 return 1
-            time.sleep(1)
+            for engine in cores.dead():
+                if engine in self.core_restarts:
+                    continue
+                what = f"engine {engine!r}: its core stopped"
+                if not self._may_restart(what):
+                    return 1
+                self._restart_core(cores, engine)
+            for i, proc in enumerate(self.processes):
+                if proc.is_alive() or self.stopping:
+                    continue
+                what = f"front end {proc.name} (status {proc.exitcode}) stopped"
+                if not self._may_restart(what):
+                    return 1
+                proc.join()
+                self.processes[i] = self._start_front(
+                    i, {name: link.rejoining() for name, link in self.links[i].items()})
+                log.warning("%s: started again alone (pid %d); the others go on", what,
+                            self.processes[i].pid)
+            time.sleep(0.2)
         return 0
+
+    def _may_restart(self, what: str) -> bool:
+        """Whether a process that died may be started again: not past RESTARTS within
+        RESTART_WINDOW_S (then something is wrong that a restart will not mend)."""
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= RESTARTS:
+            log.error("%s, after %d restarts within %d s: ending every front end, for a "
+                      "restart", what, len(self.restarts), RESTART_WINDOW_S)
+            return False
+        self.restarts.append(now)
+        return True
+
+    def _restart_core(self, cores: Cores, engine: str) -> None:
+        """Launch `engine`'s core again in place (in a thread: it loads its model), the
+        front ends told first: their engines end the turns in flight and rejoin it."""
+        expected = cores.expected_restart_s(engine)
+        log.error("engine %r: its core stopped; starting it again in place (%.0f s the last "
+                  "time), the front ends staying up", engine, expected)
+        lost = Path(self.folder) / "lost-cores"
+        partial = lost.with_name(lost.name + ".new")
+        partial.write_text(f"{engine}\t{expected:.1f}\n")
+        partial.replace(lost)
+        for proc in self.processes:
+            with contextlib.suppress(Exception):
+                os.kill(proc.pid, LOST_SIGNAL)
+
+        def launch() -> None:
+            try:
+                took = cores.restart(engine)
+            except Exception:
+                log.exception("engine %r: its core could not start again: ending every "
+                              "front end, for a restart", engine)
+                self.failed = True
+                return
+            log.warning("engine %r: its core is back in %.1f s", engine, took)
+            self.core_restarts.pop(engine, None)
+
+        self.core_restarts[engine] = threading.Thread(target=launch, daemon=True,
+                                                      name=f"restart-{engine}")
+        self.core_restarts[engine].start()
 
     def _stop(self, signum, frame) -> None:
         if not self.started:  # still starting the cores: leave that at once, ending all
@@ -211,9 +280,13 @@ def serve(front: FrontEnd, listener: socket.socket, links: dict) -> None:
     shared listening socket and on its own Unix socket, its engines attached to the cores."""
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it sends SIGTERM
+    lost = Path(front.own_socket).parent / "lost-cores"  # what the launcher writes there
+    signal.signal(LOST_SIGNAL, lambda signum, frame: cores_lost(lost))
     become(front)
     attach(links)
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):  # a front end's before it, in its place
+        os.unlink(front.own_socket)
     own.bind(front.own_socket)
     own.listen(128)
     host, port = listener.getsockname()[:2]

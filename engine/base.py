@@ -35,6 +35,8 @@ class Engine(abc.ABC):
     kv_tokens: int | None = None  # tokens its KV cache holds, where it has one to count
     block_size: int = 1  # the cache's unit, in tokens
     metrics = None  # its own Prometheus registry of vLLM's series (metrics.py), if any
+    warm = False  # needs no warm-up: it joined a running engine that had one
+    restart_expected_s: float | None = None  # dead, how long its restart should take
     # The model's sampling defaults (its generation config: temperature, top_p, top_k,
     # min_p, penalties, max_tokens), once started; empty where it has none or none is known.
     model_sampling: dict = {}

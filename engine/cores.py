@@ -16,20 +16,40 @@ core's scheduler batches all front ends' requests as one.
 
 Both vLLM builds this project runs are handled: 0.24 (GPU) lets each front end bind its own
 ZMQ sockets at the paths given; 0.32 (CPU) binds them here and hands them over.
+
+A core that died is launched again in place (`Cores.restart`), at the same addresses: the
+launcher tells the front ends (LOST_SIGNAL, `cores_lost`), whose engines end the turns in
+flight and rejoin the new core as below, once it has loaded its model.
+
+A front end that died is started again alone (`Link.rejoining`): it binds its sockets at the
+same paths, where the core's sockets connect again by themselves (ZMQ reconnects). vLLM's
+client waits for the core's "ready" message, which the core sends once, at its start: each
+front end keeps it (`ready_path`) and one that rejoins reads it there (`joining`). Once
+attached, it has the core abort the requests its predecessor left running
+(`abort_left_behind`, a utility that engine/scheduler.py gives vLLM's engine core).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
+import signal
+import threading
+import time
+import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .launch import EngineSetup, importable_here, neutral_main, process_env
 
 log = logging.getLogger(__name__)
 
 MAX_FRONT_ENDS = 16
+LOST_SIGNAL = signal.SIGUSR1  # the launcher's word to its front ends: a core died
 
 
 @dataclass(frozen=True)
@@ -40,6 +60,14 @@ class Link:
     addresses: dict
     index: int
     count: int
+    ready_path: str | None = None  # where the core's "ready" message is kept for a rejoin
+    rejoin: bool = False  # the core runs already: this front end replaces one that died
+
+    def rejoining(self) -> Link:
+        """This link for a front end started again in the place of one that died: the same
+        paths, bound anew (vLLM 0.32's sockets bound at the start were handed over once)."""
+        addresses = {k: v for k, v in self.addresses.items() if not k.endswith("_listener")}
+        return dataclasses.replace(self, addresses=addresses, rejoin=True)
 
 
 _attached: dict[str, Link] = {}
@@ -56,6 +84,28 @@ def link_of(engine: str) -> Link | None:
     return _attached.get(engine)
 
 
+_on_lost: dict[str, tuple] = {}  # engine -> (event loop, callback), in a front end
+
+
+def on_core_lost(engine: str, callback) -> None:
+    """(A front end) `callback(expected_s)` on this event loop when the launcher says that
+    `engine`'s core died and is being started again, in about `expected_s` seconds."""
+    _on_lost[engine] = (asyncio.get_running_loop(), callback)
+
+
+def cores_lost(path: str | Path) -> None:
+    """(A front end's handler of LOST_SIGNAL) The launcher has written in `path` the engines
+    whose core died, a line each (name, tab, the seconds it expects the restart to take):
+    from now on their links rejoin, and their engines hear it."""
+    for line in Path(path).read_text().splitlines():
+        engine, expected = line.rsplit("\t", 1)
+        if (link := _attached.get(engine)) is not None:
+            _attached[engine] = link.rejoining()
+        if (heard := _on_lost.get(engine)) is not None:
+            loop, callback = heard
+            loop.call_soon_threadsafe(callback, float(expected))
+
+
 def vllm_config_of(setup: EngineSetup, engine: str, link: Link | None = None,
                    clients: int = 1):
     """vLLM's config of one engine: the same in the process that starts its core (`clients`
@@ -65,7 +115,8 @@ def vllm_config_of(setup: EngineSetup, engine: str, link: Link | None = None,
     from .errors import ConfigError
 
     args = AsyncEngineArgs(**setup.args)
-    if link is not None or clients > 1:
+    shared = link is not None or clients > 1
+    if shared:
         args._api_process_count = link.count if link else clients
         args._api_process_rank = link.index if link else -1
     try:
@@ -76,91 +127,223 @@ def vllm_config_of(setup: EngineSetup, engine: str, link: Link | None = None,
                           f"vLLM refused these options: {text}") from exc
     from .steps import STEP_CLASSES_KEY
 
-    if STEP_CLASSES_KEY in (config.additional_config or {}):
+    # A shared core's scheduler is this project's: its module also gives the core the
+    # utility by which a rejoining front end has its predecessor's requests aborted.
+    if shared or STEP_CLASSES_KEY in (config.additional_config or {}):
         from .scheduler import scheduler_for  # vLLM's scheduler: loaded only here
 
         config.scheduler_config.scheduler_cls = scheduler_for(config)
     return config
 
 
+@dataclass
+class _Core:
+    """One engine's core as launched: enough to launch it again in place."""
+
+    engine: str
+    setup: EngineSetup
+    count: int
+    inputs: list[str]  # each front end's addresses, which a restarted core connects to
+    outputs: list[str]
+    manager: object = None  # vLLM's engine manager of its processes
+    started_in_s: float = 0.0
+
+
 class Cores:
     """The cores of this machine's local engines, each serving `count` front ends."""
 
     def __init__(self):
-        self._managers: list = []
+        self._cores: list[_Core] = []
         self._listeners: list = []  # vLLM 0.32's: dropping them unlinks their paths
 
     @contextlib.contextmanager
-    def launching(self, engines: Mapping[str, EngineSetup], count: int
+    def launching(self, engines: Mapping[str, EngineSetup], count: int, folder: str
                   ) -> Iterator[list[dict[str, Link]]]:
         """Start each engine's core and yield every front end's links ({engine: Link}, one
         dict per front end); start the front ends inside the block. Leaving it waits until
-        every core has loaded its model and met its clients (vLLM's handshake)."""
+        every core has loaded its model and met its clients (vLLM's handshake). `folder`
+        (this user's only) keeps each core's ready message for front ends that rejoin."""
         if not 1 <= count <= MAX_FRONT_ENDS:
             raise ValueError(f"front ends: 1 to {MAX_FRONT_ENDS}, not {count}")
         links: list[dict[str, Link]] = [{} for _ in range(count)]
+        started = time.monotonic()
         with contextlib.ExitStack() as waits:
             for engine, setup in engines.items():
-                # The core's processes start here, seeing the engine's environment.
-                with process_env(setup.env), neutral_main(), importable_here():
-                    manager, clients, listeners = _launch(waits, setup, engine, count)
-                self._managers.append(manager)
+                core = _Core(engine, setup, count, [], [])
+                clients, listeners = self._launch(waits, core)
+                self._cores.append(core)
                 self._listeners += listeners
+                ready = str(Path(folder) / f"ready-{len(self._cores)}")
                 for i, addresses in enumerate(clients):
-                    links[i][engine] = Link(addresses, i, count)
+                    links[i][engine] = Link(addresses, i, count, ready)
                 log.info("engine %r: its core started for %d front ends", engine, count)
             yield links
             for listener in self._listeners:  # the front ends have their copies now
                 listener.close()
+        for core in self._cores:
+            core.started_in_s = time.monotonic() - started
 
-    def alive(self) -> bool:
-        """Every core's processes still run."""
-        return all(proc.is_alive() for manager in self._managers
-                   for proc in getattr(manager, "processes", ()))
+    def dead(self) -> list[str]:
+        """The engines whose core's processes do not all run."""
+        return [core.engine for core in self._cores
+                if not all(proc.is_alive() for proc in getattr(core.manager, "processes", ()))]
+
+    def restart(self, engine: str) -> float:
+        """Launch `engine`'s dead core again, in place: its processes ended, new ones that
+        connect to the same front ends' addresses (each front end binds them again and
+        rejoins: `Link.rejoining`). Returns once it has loaded its model: the seconds taken."""
+        core = next(c for c in self._cores if c.engine == engine)
+        with contextlib.suppress(Exception):
+            core.manager.shutdown()
+        started = time.monotonic()
+        with contextlib.ExitStack() as waits:
+            self._launch(waits, core)
+        core.started_in_s = time.monotonic() - started
+        return core.started_in_s
+
+    def expected_restart_s(self, engine: str) -> float:
+        """How long `engine`'s core took to start the last time."""
+        return next(c.started_in_s for c in self._cores if c.engine == engine)
 
     def shutdown(self) -> None:
-        for manager in self._managers:
+        for core in self._cores:
             with contextlib.suppress(Exception):
-                manager.shutdown()
-        self._managers.clear()
+                core.manager.shutdown()
+        self._cores.clear()
         for listener in self._listeners:
             with contextlib.suppress(Exception):
                 listener.cleanup()
         self._listeners.clear()
 
+    @staticmethod
+    def _launch(waits: contextlib.ExitStack, core: _Core) -> tuple[list[dict], list]:
+        """Start `core`'s processes (its wait pushed on `waits`), at its front ends'
+        addresses where it has them (a restart: the front ends bind them themselves), else
+        at new ones. Returns each front end's addresses, and the listeners bound here for
+        them (vLLM 0.32; 0.24 lets each front end bind its own at the paths given)."""
+        from vllm.v1.engine import utils as core_utils
+        from vllm.v1.executor import Executor
 
-def _launch(waits: contextlib.ExitStack, setup: EngineSetup, engine: str, count: int):
-    """Start one engine's core for `count` clients (its wait pushed on `waits`). Returns
-    vLLM's engine manager, each client's addresses, and the listeners bound here for them."""
-    from vllm.v1.engine import utils as core_utils
-    from vllm.v1.executor import Executor
-
-    config = vllm_config_of(setup, engine, clients=count)
-    executor = Executor.get_class(config)
-    listeners = []
-    if hasattr(core_utils, "bind_engine_zmq_listeners"):  # vLLM 0.32: bound here
-        bound = core_utils.bind_engine_zmq_listeners(config, count)
-        launched = waits.enter_context(core_utils.launch_core_engines(
-            config, executor, True, bound.addresses))
-        pairs = list(zip(bound.inputs, bound.outputs))
-        clients = [{"input_address": i.address, "output_address": o.address,
-                    "input_listener": i.socket, "output_listener": o.socket} for i, o in pairs]
-        listeners = [*bound.inputs, *bound.outputs]
-        bound.inputs, bound.outputs = [], []  # theirs to close, not this object's
-    else:  # vLLM 0.24: each front end binds its own ZMQ sockets at the (local) paths
-        addresses = core_utils.get_engine_zmq_addresses(config, count)
-        launched = waits.enter_context(core_utils.launch_core_engines(
-            config, executor, True, addresses, count))
+        # The core's processes start here, seeing the engine's environment.
+        with process_env(core.setup.env), neutral_main(), importable_here():
+            config = vllm_config_of(core.setup, core.engine, clients=core.count)
+            executor = Executor.get_class(config)
+            listeners, binds = [], hasattr(core_utils, "bind_engine_zmq_listeners")
+            if core.inputs:
+                addresses = core_utils.EngineZmqAddresses(list(core.inputs),
+                                                          list(core.outputs))
+            elif binds:
+                bound = core_utils.bind_engine_zmq_listeners(config, core.count)
+                addresses, listeners = bound.addresses, [*bound.inputs, *bound.outputs]
+                bound.inputs, bound.outputs = [], []  # theirs to close, not this object's
+            else:
+                addresses = core_utils.get_engine_zmq_addresses(config, core.count)
+            core.inputs, core.outputs = list(addresses.inputs), list(addresses.outputs)
+            launched = waits.enter_context(core_utils.launch_core_engines(
+                config, executor, True, *((addresses,) if binds else (addresses, core.count))))
+        if isinstance(launched, tuple):  # 0.24: (manager, coordinator, addresses, queue)
+            core.manager, coordinator = launched[0], launched[1]
+        else:
+            core.manager, coordinator = launched.engine_manager, launched.coordinator
         clients = [{"input_address": i, "output_address": o}
-                   for i, o in zip(addresses.inputs, addresses.outputs)]
-    if isinstance(launched, tuple):  # 0.24: (manager, coordinator, addresses, tensor queue)
-        manager, coordinator = launched[0], launched[1]
-    else:
-        manager, coordinator = launched.engine_manager, launched.coordinator
-    if coordinator is not None:  # only with data parallelism, which a preset here never has
-        stats = coordinator.get_stats_publish_address()
-        clients = [{**client, "stats_update_address": stats} for client in clients]
-    return manager, clients, listeners
+                   for i, o in zip(core.inputs, core.outputs)]
+        if listeners:
+            half = len(listeners) // 2
+            clients = [{**client, "input_listener": i.socket, "output_listener": o.socket}
+                       for client, i, o in zip(clients, listeners[:half], listeners[half:])]
+        if coordinator is not None:  # only with data parallelism, which a preset here never has
+            stats = coordinator.get_stats_publish_address()
+            clients = [{**client, "stats_update_address": stats} for client in clients]
+        return clients, listeners
+
+
+_joining = threading.Lock()  # one client built at a time while vLLM's zmq is wrapped
+
+
+@contextlib.contextmanager
+def joining(link: Link) -> Iterator[None]:
+    """Around building vLLM's client of a core through `link`: the core's ready message,
+    kept in `link.ready_path` as it comes, or for a rejoining front end read from there in
+    its place (the core sends it once, to the first front end in this place)."""
+    from vllm.v1.engine import core_client
+
+    if link.ready_path is None:
+        yield
+        return
+    path = Path(link.ready_path)
+    kept = path.read_bytes() if link.rejoin else None
+    with _joining:
+        real = core_client.zmq
+        core_client.zmq = _ReadyKept(real, path, kept)
+        try:
+            yield
+        finally:
+            core_client.zmq = real
+
+
+class _ReadyKept(types.ModuleType):
+    """pyzmq as vLLM's client module sees it while a client is built: the one socket it
+    waits on for the core's ready message (`zmq.Socket.shadow(...)`) is a `_ReadyWait`."""
+
+    def __init__(self, real, path: Path, kept: bytes | None):
+        super().__init__(real.__name__)
+        self._real = real
+
+        class Socket(real.Socket):
+            @classmethod
+            def shadow(cls, address):
+                return _ReadyWait(real.Socket.shadow(address), path, kept)
+
+        self.Socket = Socket
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _ReadyWait:
+    """The socket vLLM's client reads the core's ready message from: it keeps that message
+    in `path` (an engine's 2-byte identity, then the message), or, `kept`, gives it back
+    from there without waiting for a message that will not come again."""
+
+    def __init__(self, socket, path: Path, kept: bytes | None):
+        self._socket, self._path, self._kept = socket, path, kept
+
+    def poll(self, *args, **kwargs):
+        return True if self._kept is not None else self._socket.poll(*args, **kwargs)
+
+    def recv_multipart(self, *args, **kwargs):
+        if self._kept is not None:
+            return [self._kept[:2], self._kept[2:]]
+        identity, payload = self._socket.recv_multipart(*args, **kwargs)
+        if len(identity) == 2:  # (one engine per core here: no data parallelism)
+            partial = self._path.with_name(f"{self._path.name}.{os.getpid()}")
+            partial.write_bytes(bytes(identity) + bytes(payload))
+            partial.replace(self._path)  # whole or not at all
+        return [identity, payload]
+
+    def __getattr__(self, name):
+        return getattr(self._socket, name)
+
+
+ABORT_LEFT_BEHIND = "vchat_abort_client"  # the core's utility (engine/scheduler.py)
+REJOIN_WAIT_S = 2.0  # a call to the core unanswered this long is sent again
+REJOIN_PATIENCE_S = 900.0  # a core started again loads its model meanwhile
+
+
+async def abort_left_behind(llm, link: Link) -> int:
+    """A rejoining front end's first call to the core: abort the requests that the front
+    end before it in this place left running (their users' pages went to a live one).
+    Asked again until answered: a call sent before the core's sockets have connected (or,
+    the core started again, before it has loaded its model) is dropped by ZMQ. How many
+    the core aborted."""
+    deadline = time.monotonic() + REJOIN_PATIENCE_S
+    while time.monotonic() < deadline:
+        call = llm.engine_core.call_utility_async(ABORT_LEFT_BEHIND, link.index)
+        try:
+            return await asyncio.wait_for(call, REJOIN_WAIT_S)
+        except asyncio.TimeoutError:
+            continue
+    raise TimeoutError(f"the engine core did not answer in {REJOIN_PATIENCE_S:.0f} s")
 
 
 def local_engines(config) -> dict[str, EngineSetup]:

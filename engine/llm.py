@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from .base import Engine
 from .chat_format import ChatFormatter
-from .cores import link_of, vllm_config_of
+from .cores import abort_left_behind, joining, link_of, on_core_lost, vllm_config_of
 from .decoding import Decoding, Piece, piece_of, prompt_logprobs_of
 from .errors import ChatError, Unavailable
 from .history import Prompt, check_fits
@@ -59,6 +59,13 @@ class PresetEngine(Engine):
                 built.shutdown()
             raise
         self._llm, self._built = self._built, None
+        link = link_of(self.preset)
+        if link is not None and link.rejoin:  # a front end or a core that died before
+            left = await abort_left_behind(self._llm, link)
+            log.info("Engine %r: rejoined its core as front end %d; requests the front end "
+                     "before it left running, aborted: %d", self.preset, link.index, left)
+        if link is not None:
+            on_core_lost(self.preset, self.core_lost)
         self.max_model_len = self._llm.model_config.max_model_len
         self.model_sampling = dict(self._llm.model_config.get_diff_sampling_param())
         self._formatter = ChatFormatter(self._llm.get_tokenizer())
@@ -75,9 +82,11 @@ class PresetEngine(Engine):
             vllm_config = vllm_config_of(self.setup, self.preset, link)
             loggers = [self.step_stats.logger_factory(), engine_series(registry)]
             if link is not None:
-                llm = AsyncLLM.from_vllm_config(
-                    vllm_config, stat_loggers=loggers, client_addresses=dict(link.addresses),
-                    client_count=link.count, client_index=link.index)
+                with joining(link):
+                    llm = AsyncLLM.from_vllm_config(
+                        vllm_config, stat_loggers=loggers,
+                        client_addresses=dict(link.addresses), client_count=link.count,
+                        client_index=link.index)
             else:
                 with neutral_main(), importable_here():
                     llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=loggers)
@@ -87,6 +96,20 @@ class PresetEngine(Engine):
                 self._built = llm
                 return
         llm.shutdown()
+
+    def core_lost(self, expected_s: float) -> None:
+        """Its core (another process's) died and is being started again: every turn in
+        flight ends now, as at an engine's death, and the pool builds this engine again,
+        which rejoins the new core once that has loaded its model."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.restart_expected_s = expected_s
+        llm = self._llm
+        if llm is not None and not llm.errored:
+            log.error("Engine %r: its core died; the launcher is starting it again (%.0f s "
+                      "expected)", self.preset, expected_s)
+            llm.engine_core.resources.engine_dead = True
+            llm.output_processor.propagate_error(EngineDeadError())
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -98,10 +121,10 @@ class PresetEngine(Engine):
         return self._llm is not None and not self._llm.errored
 
     @property
-    def restartable(self) -> bool:
-        """Not a front end's client of a core started elsewhere: its launcher ends every
-        front end when a core dies (launcher.py), for its supervisor to restart."""
-        return link_of(self.preset) is None
+    def warm(self) -> bool:
+        """A front end that rejoins a running core: that core is warmed up already."""
+        link = link_of(self.preset)
+        return link is not None and link.rejoin
 
     @property
     def llm(self):

@@ -84,6 +84,7 @@ class Engines:
         self.warm_up_s: dict[str, float] = {}  # by engine name
         self.restarts: dict[str, int] = {}
         self._restarting: dict[str, asyncio.Task] = {}  # presets whose engine is starting again
+        self._restart_due: dict[str, float] = {}  # when each should be back (monotonic)
         self._watchdog: asyncio.Task | None = None
         self.watch_rounds = 0
         self._launch: asyncio.Task | None = None
@@ -146,6 +147,8 @@ class Engines:
     async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
         """Before /ready: the profiles' sampling in batches up to the seats (on a GPU; on a
         CPU one short turn each, as there is nothing to compile)."""
+        if engine.warm:
+            return
         started = time.monotonic()
         samplings = list({(p.sampling.temperature, p.sampling.top_p): None
                           for p in self.config.profiles
@@ -188,6 +191,10 @@ class Engines:
 
     async def _restart(self, name: str, dead: Engine) -> None:
         log.error("Engine %r died; restarting it", name)
+        # How long a start took it (or its core, started again by the launcher, says)
+        expected = dead.restart_expected_s or (dead.started_in_s or 0.0) + \
+            self.warm_up_s.get(name, 0.0)
+        self._restart_due[name] = time.monotonic() + expected
         with contextlib.suppress(Exception):
             dead.shutdown()
         attempt = 0
@@ -267,6 +274,9 @@ class Engines:
                 "healthy": healthy,
                 "remote": f"{remote.model} at {remote.base_url}" if remote else None,
                 "restarting": name in restarting,
+                # (seconds until it should be back, going by its last start; 0: any moment)
+                "back_in_s": round(max(0.0, self._restart_due[name] - time.monotonic()), 1)
+                if name in restarting and name in self._restart_due else None,
                 "restarts": self.restarts.get(name, 0),
                 "unfinished_requests": engine.num_unfinished_requests() if healthy else None,
                 "peak_running": engine.step_stats.max_running,

