@@ -18,6 +18,11 @@ new chat's id). Every statement is fixed text from store/queries.py with its val
   raised (Chainlit's caught everything and only logged). Chainlit writes steps in tasks it
   does not await, so `settle(thread_id)` waits for a thread's writes and returns what
   failed, to tell the user.
+- A chat's steps are written in its own line, one after another in the order they came,
+  and a write the database cannot take for now (restarting, unreachable, its disk full) is
+  tried again in its place for up to VCHAT_DB_WAIT_S: the replies stream on meanwhile,
+  and a step's later version never lands before an earlier one. Each write is an upsert of
+  a whole step: tried twice, it is stored once.
 - JSON columns are written as JSON text and read back as lists and dicts on both
   databases; tag lists are TEXT[] on PostgreSQL, JSON text on SQLite. A thread known to
   exist is not read again before each step (half a turn's statements). Thread times are
@@ -28,8 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -40,9 +47,11 @@ from chainlit.session import WebsocketSession
 from chainlit.types import Feedback, PageInfo, PaginatedResponse, Pagination, ThreadFilter
 from chainlit.user import PersistedUser, User
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from chat.attachments import element
 from chat.clock import CLOCK
+from engine.settings import setting
 from store import queries as q
 from store import rows as rows_
 from store.schema import Reader, StoreError, connect, failure_text
@@ -54,6 +63,28 @@ USER_THREADS = 1000  # a user's chats the sidebar can page through, newest first
 PAGE_MAX = 100  # chats per page at most, whatever a client asks
 SEARCH_CHARS = 200  # a sidebar search's words beyond this are not used
 SESSION_KEY = "session"  # a login's session id in the user's token (chat/logins.py): not stored
+RETRY_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # between tries of a waiting write, then the last
+_waiting = contextvars.ContextVar("waiting", default=False)  # a failure now is tried again
+
+
+AWAY_STATES = ("08", "53", "57P")  # PostgreSQL's connection lost or refused, out of disk
+# or memory, shut down or starting (its SQLSTATE classes)
+AWAY_SQLITE = ("locked", "busy", "full", "disk i/o", "unable to open")  # in SQLite's words
+
+
+def database_away(exc: BaseException | None) -> bool:
+    """Whether a statement failed for a reason the database's return mends (it restarts, is
+    unreachable, lost the connection, its disk is full, its file locked), not one that
+    refuses the statement itself (a constraint, bad data, a missing table)."""
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig
+    if str(getattr(exc, "sqlstate", None) or "").startswith(AWAY_STATES):
+        return True
+    if type(exc).__name__ == "OperationalError" and "sqlite" in type(exc).__module__:
+        return any(words in str(exc).lower() for words in AWAY_SQLITE)
+    return isinstance(exc, (OSError, asyncio.TimeoutError))
 
 
 def _session_thread() -> str | None:
@@ -73,14 +104,16 @@ def _socket_session_of(thread_id: str) -> str | None:
 
 
 class ChatDataLayer(BaseDataLayer):
-    def __init__(self, url: str):
+    def __init__(self, url: str, wait_s: float | None = None):
         self.engine = connect(url)  # store/schema.py's: SQLite set up
+        self.wait_s = setting("VCHAT_DB_WAIT_S") if wait_s is None else wait_s
         self.reader = Reader(self.engine)  # for checks that only read
         self.sqlite = url.startswith("sqlite")
         self._threads: set[str] = set()  # threads this process knows exist
         self.failures = 0
         self.last_failure: str | None = None
         self._writes: dict[str, set[asyncio.Task]] = {}  # thread id -> writes under way
+        self._lines: dict[str, list] = {}  # thread id -> [its lock, writes in its line]
         self._failed: dict[str, list[str]] = {}  # thread id -> what failed, not yet told
         self._told_no_storage = False
 
@@ -97,9 +130,42 @@ class ChatDataLayer(BaseDataLayer):
                 rows = [dict(r._mapping) for r in result.fetchall()] if result.returns_rows \
                     else None
         except Exception as exc:
+            if _waiting.get() and database_away(exc):  # tried again: not a failure yet
+                raise StoreError(failure_text(exc)) from exc
             self._fail(failure_text(exc), statements[0].split()[0])
             raise StoreError(self.last_failure) from exc
         return result.rowcount if rows is None else [rows_.decoded(r) for r in rows]
+
+    async def _in_line(self, thread_id: str, write):
+        """`write()` in the chat's line (after the chat's writes that came before it), tried
+        again while the database is away, until `self.wait_s` after it came."""
+        deadline = time.monotonic() + self.wait_s  # from when it came, however long its line
+        line = self._lines.setdefault(thread_id, [asyncio.Lock(), 0])
+        line[1] += 1
+        try:
+            async with line[0]:
+                return await self._patiently(thread_id, write, deadline)
+        finally:
+            line[1] -= 1
+            if not line[1]:
+                self._lines.pop(thread_id, None)
+
+    async def _patiently(self, thread_id: str, write, deadline: float):
+        attempt = 0
+        while True:
+            token = _waiting.set(time.monotonic() < deadline)
+            try:
+                return await write()
+            except StoreError as exc:
+                if not _waiting.get() or not database_away(exc.__cause__):
+                    raise
+                if attempt == 0:
+                    log.warning("chat %s: the database is away (%s); its writes wait, in "
+                                "order, up to %.0f s", thread_id, exc, self.wait_s)
+            finally:
+                _waiting.reset(token)
+            await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
+            attempt += 1
 
     def _fail(self, what: str, statement: str = "write") -> None:
         self.failures += 1
@@ -269,8 +335,12 @@ class ChatDataLayer(BaseDataLayer):
                 row = rows_.step_row(step_dict, self.sqlite)
             except ValueError as exc:
                 self._refuse(str(exc))
-            await self.update_thread(thread_id)
-            if await self.execute_sql(q.STEP_UPSERT, row) == 0:
+
+            async def write() -> int:
+                await self.update_thread(thread_id)
+                return await self.execute_sql(q.STEP_UPSERT, row)
+
+            if await self._in_line(thread_id, write) == 0:
                 self._refuse(f"step {row['id']!r} belongs to another chat: not written")
         except Exception as exc:
             self._failed.setdefault(thread_id, []).append(str(exc))
@@ -289,7 +359,8 @@ class ChatDataLayer(BaseDataLayer):
         thread_id = thread_id or _session_thread()
         if thread_id is None:
             self._refuse(f"step {step_id!r}: no chat to delete it from")
-        await self.execute_sql(q.STEP_DELETE, {"id": step_id, "thread_id": thread_id})
+        await self._in_line(thread_id, lambda: self.execute_sql(
+            q.STEP_DELETE, {"id": step_id, "thread_id": thread_id}))
 
     async def get_favorite_steps(self, user_id: str) -> list[dict]:
         rows = await self.execute_sql(q.STEPS_OF_USER, {"user_id": user_id})

@@ -115,6 +115,10 @@ SETTINGS = {s.name: s for s in (
             "unless DATABASE_URL is set) and the login secret"),
     Setting("DATABASE_URL", text, None, "PostgreSQL instead of the data folder's SQLite "
             "(postgresql://user:pass@host/db)", secret=True),
+    Setting("VCHAT_DB_WAIT_S", number(0), "120",
+            "how long a chat's write waits for a database that went away (restarting, "
+            "unreachable, its disk full), tried again in order, before the user is told it "
+            "was lost"),
     Setting("CHAINLIT_AUTH_SECRET", text, None, "signs login tokens (default: one made in "
             "the data folder on the first start)", secret=True),
     Setting("VCHAT_ADMIN_USER", text, None, "the first admin's name, when no account exists "

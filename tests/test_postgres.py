@@ -3,6 +3,7 @@ binaries; `.ci/run` installs them): the schema created and migrated from an empt
 database, Chainlit's data layer with native arrays and JSONB, and the app itself with
 DATABASE_URL set (login, a chat, a restart, resume, two users kept apart)."""
 
+import asyncio
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from store.schema import SCHEMA_VERSION, connect, database_url, migrate, schema_
 from store.responses import StoredResponses
 from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
 from tests.test_api_responses import race_for_the_limit
+from tests.test_database_away import SLOW, problems, writes_wait_while_the_database_is_away
 from tests.test_documents import storage_limit_holds
 from tests.test_store import (feedback_duplicates_go_at_migration_7, hostile_round,
                               one_feedback_per_step, set_up_at_once)
@@ -181,3 +183,19 @@ async def test_the_app_on_postgresql_keeps_chats_apart_and_across_a_restart(pg, 
         for c in (resumed, fresh):
             await c.close()
     assert follow.reply["metadata"]["prompt_tokens"] > alone.reply["metadata"]["prompt_tokens"]
+
+
+async def test_postgresql_restarted_during_turns_loses_nothing_and_doubles_nothing(pg, tmp_path):
+    """The server stopped as an operator's restart stops it, while replies stream, and
+    started again: tests/test_database_away.py's checks (the replies go on, the chats'
+    writes wait and go in, in order, once each)."""
+    env = {**SLOW, "DATABASE_URL": pg.new_database(), "VCHAT_DATA_DIR": str(tmp_path / "data"),
+           "VCHAT_ADMIN_USER": TEST_USER, "VCHAT_ADMIN_PASSWORD": TEST_PASSWORD}
+    async with serving(env, timeout=120) as srv:
+        clients = await writes_wait_while_the_database_is_away(srv, away=pg.stop, back=pg.start)
+        assert "its writes wait, in order" in srv.log_path.read_text(errors="replace")
+        again = await asyncio.gather(*[c.send("Still there?") for c in clients])
+        assert all(r.shown and problems(r) == [] for r in again)
+        _, health = await srv.ready_state()
+        assert health["store"]["failed_writes"] == 0, health["store"]
+        await asyncio.gather(*[c.close() for c in clients])

@@ -51,11 +51,20 @@ class Postgres:
             raise FileNotFoundError("no PostgreSQL server installed (Debian: postgresql)")
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
                   "--auth=trust", "-E", "UTF8", "--no-sync")
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """The server up (again), on its port; returns once it takes connections."""
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-w", "-l",
                   str(self.folder / "server.log"), "-o",
                   f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 "
                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off", "start")
-        return self
+
+    def stop(self) -> None:
+        """The server down as an operator's restart takes it down (`fast`: sessions ended,
+        what they committed kept)."""
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def __exit__(self, *exc) -> None:
         try:
