@@ -7,7 +7,7 @@ PORT    ?= 8000
 GPU     ?= 0
 export VCHAT_GPU := $(GPU)
 
-.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles bench-replicas bench-isolation conformance lock lock-gpu clean
+.PHONY: setup model run test screenshots soak bench bench-compare bench-profiles bench-replicas bench-isolation bench-reliability bench-soak conformance lock lock-gpu clean
 
 setup:
 	@scripts/setup.sh
@@ -76,6 +76,20 @@ bench-isolation: model
 	$(PY) -m bench.isolation $(ISOLATION_ARGS)
 	$(PY) -m bench.isolation --report bench/results/isolation-cpu.json \
 		--out bench/results/isolation-cpu.json --png bench/results/isolation-cpu.png
+
+# Crashes under load (bench/reliability.py, issue 57): a front end, then the engine core,
+# killed while users stream; at CPU scale (2 front ends); on a GPU: scripts/gpu_run.sh OUT
+# reliability (256 users, the shipped front ends).
+RELIABILITY_ARGS ?= --users 8 --output-len 400 --front-ends 2 --name reliability-cpu
+bench-reliability: model
+	$(PY) -m bench.reliability $(RELIABILITY_ARGS)
+
+# Mixed traffic sampled every minute (bench/soak.py, issue 57): memory, loop lag, TTFT and
+# gaps over the run; at CPU scale for 10 minutes; on a GPU: scripts/gpu_run.sh OUT soak.
+SOAK_ARGS ?= --minutes 10 --chat-users 6 --api-users 2 --guest-every-s 30 --front-ends 2 \
+	--max-tokens 64 --name soak-cpu
+bench-soak: model
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 # vLLM 0.32.0's own OpenAI-server tests (18 files of tests/entrypoints/openai/, fetched from
 # its source package into .cache/vllm-tests) against the app (tools/conformance.py, issue 54);

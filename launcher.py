@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import importlib
 import logging
 import multiprocessing
 import os
@@ -69,6 +70,7 @@ STOP_WAIT_S = 30  # past the replies' grace: a front end still running then is k
 MOST_FRONT_ENDS, CORES_EACH = 4, 4
 LISTEN_BACKLOG = 4096  # each front end's share of a burst of connections waits here
 RESTARTS, RESTART_WINDOW_S = 3, 300  # a front end dying more often: something is wrong
+SPARE = True  # keep a front end imported and waiting, to take a dead one's place at once
 log = logging.getLogger("front_ends")
 
 
@@ -122,6 +124,7 @@ class Launcher:
         self.failed = False  # a core could not start again
         self.folder = ""  # the run's own folder (0700): peers' sockets, the cores' notes
         self._start_front = None  # (index, links) -> its process, once the cores run
+        self.spare: tuple | None = None  # (process, pipe): a front end ready to take a place
 
     def run(self) -> int:
         config = load_config()
@@ -137,11 +140,27 @@ class Launcher:
         cores = Cores()
         context = multiprocessing.get_context("spawn")
 
+        def start_spare() -> None:
+            ours, theirs = context.Pipe()
+            spare = context.Process(target=standby, name="front-end-spare",
+                                    args=(theirs, self.host, self.port, bool(engines)))
+            spare.start()
+            theirs.close()  # the spare's copy is its own
+            self.spare = (spare, ours)
+
         def start_front(i: int, links: dict) -> multiprocessing.Process:
-            front = FrontEnd(i, self.count, peers, secret)
-            proc = context.Process(target=serve, name=f"front-end-{i}",
-                                   args=(front, listeners[i], links))
-            proc.start()
+            """Front end `i`: the spare, told to become it, where one is ready (and the
+            next spare started); else a new process."""
+            front, spare = FrontEnd(i, self.count, peers, secret), self.spare
+            if spare is None or not spare[0].is_alive():
+                proc = context.Process(target=serve, name=f"front-end-{i}",
+                                       args=(front, listeners[i], links))
+                proc.start()
+                return proc
+            proc, conn = spare
+            conn.send((front, listeners[i], links))
+            proc.name = f"front-end-{i}"
+            start_spare()
             return proc
 
         try:
@@ -149,6 +168,8 @@ class Launcher:
                 self.processes = [start_front(i, links[i]) for i in range(self.count)]
             self.links, self._start_front = links, start_front
             self.started = True
+            if SPARE:  # ready for the first front end that dies
+                start_spare()
             log.info("%d front ends on http://%s:%d (connections spread: %s), engines %s",
                      self.count, self.host, self.port, spread,
                      ", ".join(engines) or "(none local)")
@@ -195,6 +216,9 @@ class Launcher:
                 if not self._may_restart(what):
                     return 1
                 self._restart_core(cores, engine)
+            if self.spare is not None and self.spare[1].poll():
+                self.spare[1].recv()
+                log.info("a spare front end is ready (pid %d)", self.spare[0].pid)
             for i, proc in enumerate(self.processes):
                 if proc.is_alive() or self.stopping:
                     continue
@@ -262,7 +286,12 @@ class Launcher:
 
     def _end_all(self) -> None:
         """SIGTERM to every front end still running (each finishes its replies), then kill
-        those still there after STOP_WAIT_S."""
+        those still there after STOP_WAIT_S. The spare ends as its pipe closes."""
+        if self.spare is not None:
+            self.spare[1].close()
+            self.spare[0].join(5)
+            if self.spare[0].is_alive():
+                self.spare[0].kill()
         for proc in self.processes:
             if proc.is_alive():
                 with contextlib.suppress(Exception):
@@ -273,6 +302,25 @@ class Launcher:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def standby(conn, host: str, port: int, model: bool) -> None:
+    """A spare front end (a process the launcher keeps ready): Chainlit, the app's modules
+    and (`model`) vLLM's client imported, waiting to be told which front end to become
+    when one dies, so that its place serves again in seconds rather than after imports."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(LOST_SIGNAL, signal.SIG_IGN)  # no engines yet: nothing to tell it
+    os.environ.update(CHAINLIT_HOST=str(host), CHAINLIT_PORT=str(port))
+    os.chdir(ROOT)  # Chainlit reads .chainlit/ on import, from the folder it runs in
+    for module in ("chainlit.cli", "chat.wiring", "vllm.v1.engine.async_llm")[:3 if model else 2]:
+        importlib.import_module(module)
+    conn.send("ready")
+    try:
+        front, listener, links = conn.recv()
+    except (EOFError, OSError):  # the launcher is ending
+        return
+    multiprocessing.current_process().name = f"front-end-{front.index}"
+    serve(front, listener, links)
 
 
 def serve(front: FrontEnd, listener: socket.socket, links: dict) -> None:

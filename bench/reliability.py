@@ -72,7 +72,19 @@ async def ended(client: ChatClient, start: int, timeout: float):
     return client.collect(start, end + 1)
 
 
+async def spare_ready(server: Server, timeout: float = 300) -> bool:
+    """Whether the launcher's spare front end has its imports done (it says so in its log),
+    waiting up to `timeout`: a crash within a minute of the start is not what is measured."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "a spare front end is ready" in server.log_path.read_text(errors="replace"):
+            return True
+        await asyncio.sleep(1)
+    return False
+
+
 async def kill_a_front_end(server: Server, clients: list[ChatClient], count: int) -> dict:
+    spare = await spare_ready(server)
     fronts = await ready_fronts(server.url, count)
     victim = max(fronts)
     pid = fronts[victim]["front_end"]["pid"]
@@ -108,7 +120,8 @@ async def kill_a_front_end(server: Server, clients: list[ChatClient], count: int
         return note == CUT_OFF and bool(again.shown) and again.notes == []
 
     resumed = await asyncio.gather(*[resume(i) for i in cut], return_exceptions=True)
-    return {"front_ends": count, "killed_index": victim, "users_on_it": len(cut),
+    return {"front_ends": count, "spare_ready": spare, "killed_index": victim,
+            "users_on_it": len(cut),
             "users_on_the_others": len(kept), "streams_lost_on_the_others": len(lost),
             "serving_again_s": back_in_s,
             "chats_resumed": sum(r is True for r in resumed),

@@ -15,6 +15,8 @@
 #                                                  streams) on the shipped shared engine
 #   scripts/gpu_run.sh OUT reliability [ARGS...]   bench.reliability (a front end, then the
 #                                                  core, killed under 256 streams)
+#   scripts/gpu_run.sh OUT soak [ARGS...]          bench.soak (mixed traffic, sampled each
+#                                                  minute; --minutes 8 fits a call)
 #   scripts/gpu_run.sh OUT two-gpus placement|data-parallel [ARGS...]
 #                                                  bench.two_gpus (nvidia-h200-x2 only)
 #   scripts/gpu_run.sh DIR bench-start [ARGS...]   bench in the background (a copy of the
@@ -154,6 +156,12 @@ case "$step" in
         | tail -60 > "$out/server-$(basename "$log")"
     done
     exit $status ;;
+  soak)  # bench.soak: mixed traffic for --minutes (a call holds 10: the hour needs a
+    # background run and `wait`), sampled every minute, on the shipped app
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.soak --name "${SOAK_NAME:-gpu-soak}" "$@" > "$out/soak.log" 2>&1
+    status=$?; tail -12 "$out/soak.log"
+    cp bench/results/"${SOAK_NAME:-gpu-soak}".* "$out/" 2>/dev/null; exit $status ;;
   two-gpus)
     VCHAT_MODEL=qwen3-4b-dummy python3 -m bench.two_gpus "$@" > "$out/two-gpus.log" 2>&1
     status=$?; tail -40 "$out/two-gpus.log"; cp bench/results/two-gpus* "$out/" 2>/dev/null
