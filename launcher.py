@@ -21,11 +21,13 @@ Unix socket in a folder only this user can open, with a secret made for this run
 The launcher stays in front: SIGTERM or Ctrl+C goes to every front end (each finishes its
 replies as `chainlit run` does), then the cores stop. A front end that dies is started
 again alone, on the same listening socket, attached to the running cores (engine/cores.py:
-it rejoins, with no warm-up); the others go on streaming, and its users' pages reconnect
-and go on with their chats from the database, a reply it was streaming marked as cut off.
-A front end that dies again and again (RESTARTS within RESTART_WINDOW_S) or a core that
-dies ends them all, with status 1, for the supervisor (systemd, Docker) to start the app
-again.
+it rejoins, with no warm-up): a spare process, kept with the app and vLLM imported, takes
+its place in seconds. The others go on streaming, and its users' pages reconnect and go on
+with their chats from the database, a reply it was streaming marked as cut off. A core
+that dies is launched again in place, the front ends told first (their turns in flight
+end, saying so; they rejoin the new core once it has loaded the model). More than RESTARTS
+within RESTART_WINDOW_S, or a core that cannot start again, ends them all, with status 1,
+for the supervisor (systemd, Docker) to start the app again.
 
 Every front end shares the data folder's database and its login secret, as replicas do
 (deploy/); a front end's admission counts its own turns against the whole engine (the
@@ -217,8 +219,13 @@ class Launcher:
                     return 1
                 self._restart_core(cores, engine)
             if self.spare is not None and self.spare[1].poll():
-                self.spare[1].recv()
-                log.info("a spare front end is ready (pid %d)", self.spare[0].pid)
+                try:
+                    self.spare[1].recv()
+                    log.info("a spare front end is ready (pid %d)", self.spare[0].pid)
+                except (EOFError, OSError):  # it died importing: its log says why
+                    log.error("the spare front end stopped (status %s): front ends that "
+                              "die are started as new processes", self.spare[0].exitcode)
+                    self.spare = None
             for i, proc in enumerate(self.processes):
                 if proc.is_alive() or self.stopping:
                     continue

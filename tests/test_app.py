@@ -511,6 +511,8 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
         await asyncio.sleep(0.2)
     status, health = await server.ready_state()
     assert status == 503
+    restarting = [e for e in health["engines"].values() if e["restarting"]]
+    assert restarting and all(e["back_in_s"] is not None for e in restarting), health
     assert await server.get("/notice") == {"ready": False, "notice": RESTARTING_PAGE}
     during = await c.send("Are you there?")
     assert during.reply is None and any("being restarted" in n for n in during.notes)
