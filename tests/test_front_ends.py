@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tools import turn_log
 from chat.turns import REGENERATE
 from chat.view import CUT_OFF
+from launcher import RESTART_WINDOW_S, RESTARTS
 from tests.test_accounts import add_user
 from tools.chainlit_client import ROOT, ChatClient, Server, engine_of, serving
 from tools.polling import until
@@ -361,6 +362,40 @@ async def test_an_engine_core_killed_mid_reply_is_started_again_in_place(server)
                 "pagination": {"first": 50}, "filter": {}})).json()["data"]
         assert listed
     await asyncio.gather(*[c.close() for c in clients])
+
+
+def front_end_pids(launcher: int, port: int) -> list[int]:
+    """The launcher's children that serve on `port` (its front ends; not the core, its
+    workers or the spare, which gets its socket only when it takes a place)."""
+    pids = []
+    for child in psutil.Process(launcher).children():
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in child.net_connections(kind="tcp")):
+                pids.append(child.pid)
+    return pids
+
+
+async def test_a_front_end_that_keeps_dying_ends_them_all_for_the_supervisor(server):
+    """Last in the module: a front end killed again and again (a crash its restart does not
+    mend) is started again RESTARTS times within RESTART_WINDOW_S (the restarts above
+    count), then the launcher ends every front end and the core with status 1."""
+    family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    for _ in range(RESTARTS + 1):
+        pids = await until(lambda: [] if server.proc.poll() is not None
+                           else front_end_pids(server.proc.pid, server.port),
+                           lambda pids: len(pids) == COUNT or server.proc.poll() is not None,
+                           timeout=60)
+        if server.proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(max(pids), signal.SIGKILL)
+        await asyncio.sleep(1)
+    assert server.proc.wait(timeout=90) == 1
+    left = await until(lambda: alive(family), lambda left: not left)
+    assert left == [], [" ".join(p.cmdline()) for p in left]
+    assert f"restarts within {RESTART_WINDOW_S} s: ending every front end" in \
+        server.log_path.read_text(errors="replace")
 
 
 def alive(pids: list[int]) -> list[psutil.Process]:
