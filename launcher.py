@@ -58,7 +58,7 @@ import uvicorn
 
 from engine import load_config
 from engine.cores import (LOST_SIGNAL, MAX_FRONT_ENDS, Cores, attach, cores_lost,
-                          local_engines)
+                          local_engines, write_lost)
 from engine.errors import ChatError, ConfigError
 from engine.pool import engine_kind
 from engine.settings import check_all, setting
@@ -258,10 +258,7 @@ class Launcher:
         expected = cores.expected_restart_s(engine)
         log.error("engine %r: its core stopped; starting it again in place (%.0f s the last "
                   "time), the front ends staying up", engine, expected)
-        lost = Path(self.folder) / "lost-cores"
-        partial = lost.with_name(lost.name + ".new")
-        partial.write_text(f"{engine}\t{expected:.1f}\n")
-        partial.replace(lost)
+        write_lost(self.folder, engine, expected)
         for proc in self.processes:
             with contextlib.suppress(Exception):
                 os.kill(proc.pid, LOST_SIGNAL)
@@ -335,8 +332,8 @@ def serve(front: FrontEnd, listener: socket.socket, links: dict) -> None:
     shared listening socket and on its own Unix socket, its engines attached to the cores."""
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it sends SIGTERM
-    lost = Path(front.own_socket).parent / "lost-cores"  # what the launcher writes there
-    signal.signal(LOST_SIGNAL, lambda signum, frame: cores_lost(lost))
+    folder = Path(front.own_socket).parent  # the run's, where the launcher writes its notes
+    signal.signal(LOST_SIGNAL, lambda signum, frame: cores_lost(folder))
     become(front)
     attach(links)
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -48,7 +48,7 @@ async def ready_fronts(url: str, count: int, tries: int = 100) -> dict[int, dict
                                          headers={"connection": "close"})).json()
             except (httpx.HTTPError, ValueError):
                 continue
-            seen[health["front_end"]["index"]] = health
+            seen[(health.get("front_end") or {}).get("index", 0)] = health  # (one: none)
             if len(seen) == count:
                 break
     return seen
@@ -251,12 +251,16 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-if __name__ == "__main__":
-    args = parse()
-    result = asyncio.run(main(args))
+def save(result: dict, name: str) -> Path:
+    """`result` in bench/results/NAME.json, its targets printed, met or not."""
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
+    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     for t in result["targets"]:
         print(f'{"met " if t["met"] else "MISSED"} {t["target"]}: {t["value"]}')
-    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    args = parse()
+    print(save(asyncio.run(main(args)), args.name))

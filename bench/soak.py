@@ -31,11 +31,10 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.reliability import device
+from bench.reliability import device, ready_fronts, save
 from chat.turns import REGENERATE
 from tools.chainlit_client import ROOT, ChatClient, Server
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHORT = "Say something kind about the sea in two sentences."
 LONG = ("Here is a report to summarize. " + "The harbour kept its lights on through the "
         "storm, and the keepers wrote down each ship that passed. " * 60).strip()
@@ -213,14 +212,7 @@ async def sample(server: Server, tally: Tally, since: float, lag_before: dict) -
 
 async def left_running(server: Server, count: int) -> int:
     """Turns still counted on any front end, asked of each (new connections)."""
-    seen: dict[int, dict] = {}
-    async with httpx.AsyncClient(timeout=30) as http:
-        for _ in range(50 * count):
-            health = (await http.get(server.url + "/ready",
-                                     headers={"connection": "close"})).json()
-            seen[health["front_end"]["index"] if health.get("front_end") else 0] = health
-            if len(seen) == count:
-                break
+    seen = await ready_fronts(server.url, count, tries=50 * count)
     return sum((e.get("unfinished_requests") or 0) + (e.get("admitted") or 0)
                for h in seen.values() for e in h["engines"].values())
 
@@ -346,8 +338,4 @@ if __name__ == "__main__":
     args = parse()
     result = asyncio.run(main(args))
     result["targets"] = targets(result)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / f"{args.name}.png")
-    for t in result["targets"]:
-        print(f'{"met " if t["met"] else "MISSED"} {t["target"]}: {t["value"]}')
+    plot(result, save(result, args.name).with_suffix(".png"))

@@ -93,11 +93,27 @@ def on_core_lost(engine: str, callback) -> None:
     _on_lost[engine] = (asyncio.get_running_loop(), callback)
 
 
-def cores_lost(path: str | Path) -> None:
-    """(A front end's handler of LOST_SIGNAL) The launcher has written in `path` the engines
-    whose core died, a line each (name, tab, the seconds it expects the restart to take):
-    from now on their links rejoin, and their engines hear it."""
-    for line in Path(path).read_text().splitlines():
+LOST_FILE = "lost-cores"  # in the run's folder: the engines whose core died, for LOST_SIGNAL
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """`data` in `path`, whole or not at all (another process may read it at any moment)."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def write_lost(folder: str | Path, engine: str, expected_s: float) -> None:
+    """(The launcher, before LOST_SIGNAL) `engine`'s core died and should be back in about
+    `expected_s`: what `cores_lost` reads."""
+    write_whole(Path(folder) / LOST_FILE, f"{engine}\t{expected_s:.1f}\n".encode())
+
+
+def cores_lost(folder: str | Path) -> None:
+    """(A front end's handler of LOST_SIGNAL) The launcher has written in `folder` the
+    engines whose core died (`write_lost`): from now on their links rejoin, and their
+    engines hear it."""
+    for line in (Path(folder) / LOST_FILE).read_text().splitlines():
         engine, expected = line.rsplit("\t", 1)
         if (link := _attached.get(engine)) is not None:
             _attached[engine] = link.rejoining()
@@ -192,7 +208,7 @@ class Cores:
         """Launch `engine`'s dead core again, in place: its processes ended, new ones that
         connect to the same front ends' addresses (each front end binds them again and
         rejoins: `Link.rejoining`). Returns once it has loaded its model: the seconds taken."""
-        core = next(c for c in self._cores if c.engine == engine)
+        core = self._core(engine)
         with contextlib.suppress(Exception):
             core.manager.shutdown()
         started = time.monotonic()
@@ -203,7 +219,10 @@ class Cores:
 
     def expected_restart_s(self, engine: str) -> float:
         """How long `engine`'s core took to start the last time."""
-        return next(c.started_in_s for c in self._cores if c.engine == engine)
+        return self._core(engine).started_in_s
+
+    def _core(self, engine: str) -> _Core:
+        return next(c for c in self._cores if c.engine == engine)
 
     def shutdown(self) -> None:
         for core in self._cores:
@@ -316,9 +335,7 @@ class _ReadyWait:
             return [self._kept[:2], self._kept[2:]]
         identity, payload = self._socket.recv_multipart(*args, **kwargs)
         if len(identity) == 2:  # (one engine per core here: no data parallelism)
-            partial = self._path.with_name(f"{self._path.name}.{os.getpid()}")
-            partial.write_bytes(bytes(identity) + bytes(payload))
-            partial.replace(self._path)  # whole or not at all
+            write_whole(self._path, bytes(identity) + bytes(payload))
         return [identity, payload]
 
     def __getattr__(self, name):
