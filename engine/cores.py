@@ -113,7 +113,12 @@ def cores_lost(folder: str | Path) -> None:
     """(A front end's handler of LOST_SIGNAL) The launcher has written in `folder` the
     engines whose core died (`write_lost`): from now on their links rejoin, and their
     engines hear it."""
-    for line in (Path(folder) / LOST_FILE).read_text().splitlines():
+    try:
+        lines = (Path(folder) / LOST_FILE).read_text().splitlines()
+    except OSError:  # a stray signal (not the launcher's): nothing to hear
+        log.warning("%s without the launcher's note: ignored", LOST_SIGNAL.name)
+        return
+    for line in lines:
         engine, expected = line.rsplit("\t", 1)
         if (link := _attached.get(engine)) is not None:
             _attached[engine] = link.rejoining()
