@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import statistics
 import subprocess
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
 import psutil
 
-from chat.view import CUT_OFF
+from chat.view import CUT_OFF, queued_notice
 from tools.chainlit_client import ChatClient, Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WAITING = queued_notice(1).split(":")[0]  # "Many people are chatting right now"
 DIED = "stopped unexpectedly"  # the note of a reply its engine's death cut off (engine/llm.py)
 
 
@@ -52,6 +56,11 @@ async def ready_fronts(url: str, count: int, tries: int = 100) -> dict[int, dict
             if len(seen) == count:
                 break
     return seen
+
+
+def problems(reply) -> list[str]:
+    """A reply's notes but the one saying it waits in line (many users at once: expected)."""
+    return [n for n in reply.notes if n and not n.startswith(WAITING)]
 
 
 async def stream_all(clients: list[ChatClient], text: str) -> list[int]:
@@ -72,6 +81,28 @@ async def ended(client: ChatClient, start: int, timeout: float):
     return client.collect(start, end + 1)
 
 
+async def runs_stored(server: Server, count: int, since: float, timeout: float = 120
+                      ) -> float | None:
+    """Seconds from `since` (time.monotonic()) until `count` turns begun since then are
+    stored (Chainlit writes a message's "on_message" run when its handling begins), read
+    from the app's SQLite file; None if not within `timeout`."""
+    after = (datetime.now(timezone.utc) - timedelta(seconds=time.monotonic() - since + 1)
+             ).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    path = Path(server.env.get("VCHAT_DATA_DIR", "")) / "chat.db"
+    if server.env.get("DATABASE_URL") or not path.exists():
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            (running,) = db.execute(
+                "SELECT COUNT(*) FROM steps WHERE type = 'run' AND name = 'on_message' "
+                'AND "createdAt" > ?', (after,)).fetchone()
+        if running >= count:
+            return round(time.monotonic() - since, 2)
+        await asyncio.sleep(0.1)
+    return None
+
+
 async def spare_ready(server: Server, timeout: float = 300) -> bool:
     """Whether the launcher's spare front end has its imports done (it says so in its log),
     waiting up to `timeout`: a crash within a minute of the start is not what is measured."""
@@ -88,9 +119,15 @@ async def kill_a_front_end(server: Server, clients: list[ChatClient], count: int
     fronts = await ready_fronts(server.url, count)
     victim = max(fronts)
     pid = fronts[victim]["front_end"]["pid"]
+    sent = time.monotonic()
     starts = await stream_all(clients, "Write a very long story about a lighthouse keeper.")
+    # A process killed loses the writes it had not made yet: the kill waits until every
+    # turn's begun run is stored (how long that took under this load is a figure of its own).
+    stored_s = await runs_stored(server, len(clients), sent)
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    done_before = {i for i, (c, s) in enumerate(zip(clients, starts))
+                   if any(e.name == "task_end" for e in c.events[s:])}
     await asyncio.sleep(2)  # the killed one's sockets close at once
     cut = [i for i, c in enumerate(clients) if not c.sio.connected]
     kept = [i for i in range(len(clients)) if i not in cut]
@@ -107,25 +144,38 @@ async def kill_a_front_end(server: Server, clients: list[ChatClient], count: int
 
     watching = asyncio.ensure_future(watch_back())
     replies = await asyncio.gather(*[ended(clients[i], starts[i], 600) for i in kept])
-    lost = [i for i, r in zip(kept, replies)
-            if r is None or not r.shown or [n for n in r.notes if n]]
+    lost = [i for i, r in zip(kept, replies) if r is None or not r.shown or problems(r)]
     await asyncio.wait_for(watching, 120)
 
     async def resume(i: int) -> bool:
         c = clients[i]
         start = len(c.events)
         await c.reconnect()
-        note = await c.wait_for_note("went away", since=start, timeout=120)
+        if i in done_before:  # its reply ended before the kill: nothing was cut
+            again = await c.send("Just say hi.", timeout=300)
+            return bool(again.shown) and not problems(again)
+        try:
+            note = await c.wait_for_note("went away", since=start, timeout=120)
+        except TimeoutError:  # what the page got instead, to tell a new chat from a late note
+            raise AssertionError(f"no cut-off note; events: "
+                                 f"{[e.name for e in c.events[start:]][:10]}") from None
         again = await c.send("Just say hi.", timeout=300)
-        return note == CUT_OFF and bool(again.shown) and again.notes == []
+        return note == CUT_OFF and bool(again.shown) and not problems(again)
 
     resumed = await asyncio.gather(*[resume(i) for i in cut], return_exceptions=True)
+    log = server.log_path.read_text(errors="replace")
     return {"front_ends": count, "spare_ready": spare, "killed_index": victim,
-            "users_on_it": len(cut),
+            "users_on_it": len(cut), "replies_ended_before_the_kill": len(done_before & set(cut)),
+            "turns_stored_s": stored_s,
+            "lost_notes": [replies[kept.index(i)].notes if replies[kept.index(i)] else None
+                           for i in lost][:3],
             "users_on_the_others": len(kept), "streams_lost_on_the_others": len(lost),
             "serving_again_s": back_in_s,
             "chats_resumed": sum(r is True for r in resumed),
-            "resume_failures": [repr(r)[:200] for r in resumed if r is not True][:5]}
+            "resume_failures": [repr(r)[:300] for r in resumed if r is not True][:5],
+            "chats_taken_over_in_log": log.count("taken over by this process"),
+            "database_waits_in_log": log.count("the database is away"),
+            "database_failures_in_log": log.count("database statement failed")}
 
 
 async def kill_the_core(server: Server, clients: list[ChatClient]) -> dict:

