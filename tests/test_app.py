@@ -7,10 +7,13 @@ One `chainlit run app.py` server for this module, on the embedded model (eager e
 import asyncio
 import json
 import math
+import re
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
@@ -120,6 +123,32 @@ async def test_metrics_show_every_engine_by_preset_and_turns_by_profile(server):
     assert grew("vchat_first_token_legs_seconds_count", profile="Latency-first",
                 leg="prefill") == 1
     assert "A question for the metrics" not in server.log()
+
+
+async def test_the_grafana_dashboard_asks_only_for_series_the_app_serves(server):
+    """deploy/grafana/vchat.json: every series its queries name is one a running app's
+    /metrics holds (a renamed series would leave a panel empty, and nothing would say so),
+    each panel on the dashboard's Prometheus, and the scrape example on /metrics."""
+    c = await client(server, max_tokens=4)
+    await c.send("A question for the dashboard.")
+    await c.close()
+    answer = await server.request("/metrics")
+    served = set()
+    for family in text_string_to_metric_families(answer.text):
+        served |= {family.name, *(s.name for s in family.samples)}
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        served |= {family.name + end for end in suffixes.get(family.type, [])}
+    root = Path(__file__).resolve().parents[1] / "deploy" / "grafana"
+    dashboard = json.loads((root / "vchat.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    asked = {name for e in exprs for name in re.findall(r"\b(?:vchat_|vllm:|process_)[\w:]+", e)}
+    assert len(asked) >= 15 and asked <= served, sorted(asked - served)
+    assert all(e.count("(") == e.count(")") for e in exprs)
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    scrape = yaml.safe_load((root / "prometheus.yml").read_text())
+    assert {job["metrics_path"] for job in scrape["scrape_configs"]} == {"/metrics"}
 
 
 async def test_a_turn_streams_tokens_and_ends(server, config):
