@@ -32,7 +32,8 @@ test: model
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The README's pictures, from the browser tests' last run (tests/e2e saves them).
-SHOTS := streamed-reply profile-picker history sso-login export-menu attached-document
+SHOTS := streamed-reply profile-picker history sso-login export-menu attached-document \
+  share-link shared-chat
 screenshots:
 	@for shot in $(SHOTS); do test -f .cache/e2e/$$shot.png || \
 	  { echo "no .cache/e2e/$$shot.png: run the browser tests first (make test)"; exit 1; }; done

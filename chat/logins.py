@@ -86,6 +86,16 @@ class Logins:
                                 "in again.")
         return await authenticate_user(token)
 
+    async def user_of(self, request: Request):
+        """The logged-in user of a request (its cookie or bearer token), or None."""
+        token = get_token_from_cookies(request.cookies) or bearer(request)
+        if not await self.live_token(token):
+            return None
+        try:
+            return await authenticate_user(token)
+        except HTTPException:
+            return None
+
     async def refresh(self, request: Request):
         """Chainlit's token exchange, for a live session only."""
         if not await self.live_token(bearer(request)):

@@ -20,6 +20,7 @@ from chat import forget
 from chat.attachments import Attachments
 from chat.data_layer import ChatDataLayer
 from chat.downloads import Downloads
+from chat.shares import SharePages
 from chat.front_ends import SessionRouting
 from chat.guard import Guard
 from chat.invites import InvitePage, OpenDemo
@@ -45,6 +46,7 @@ from store.invites import Invites
 from store.responses import StoredResponses
 from store.schema import database_url
 from store.sessions import LoginSessions
+from store.shares import Shares
 from store.setup import auth_secret, data_dir
 from store.usage import Usage
 
@@ -176,6 +178,9 @@ def build(http, sio, chainlit_config) -> Parts:
         chainlit_config.project.transports = ["websocket"]
     http.include_router(ops.router)  # /ready, /notice, /metrics
     http.include_router(Downloads(store.engine).router)  # /export/chats[/ID]
+    http.include_router(SharePages(  # /share..., /shared/ID
+        Shares(store.engine, setting("VCHAT_SHARE_LINKS")), setting("VCHAT_SHARE_VIEWERS"),
+        setting("VCHAT_GUEST_SHARING"), logins.user_of).router)
     joining = InvitePage(Invites(store.engine), setting("VCHAT_GUEST_LOGIN_HOURS") * 3600,
                          chainlit_config.ui.name, setting("VCHAT_GUEST_DAILY_TOKENS"), demo,
                          setting("VCHAT_GUEST_JOINS_PER_ADDRESS"))

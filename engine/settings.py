@@ -175,6 +175,11 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_READING_NOTE_S", number(0), "2",
             "the chat shows how far the model has read a message (an estimate) when reading "
             "it should take at least this many seconds"),
+    Setting("VCHAT_SHARE_VIEWERS", one_of("accounts", "anyone", "off"), "accounts",
+            "who may open a chat's share link: anyone logged in (guests too), anyone with "
+            "the link (a public demo), or nobody (off: no sharing at all)"),
+    Setting("VCHAT_SHARE_LINKS", whole(1), "100", "live share links an account may hold"),
+    Setting("VCHAT_GUEST_SHARING", flag, "0", "demo guests may share their chats too"),
     Setting("VCHAT_DOCUMENTS", flag, "1", "files attached to a message (text, code, CSV, "
             "JSON, HTML, PDF, DOCX): their text goes to the model (0: no attach button)"),
     Setting("VCHAT_DOCUMENT_MAX_MB", number(0, above=True), "20",

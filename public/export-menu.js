@@ -22,6 +22,40 @@
     return a;
   }
 
+  // "Share this chat": a read-only link to the chat as it is now (chat/shares.py), shown
+  // in the menu to copy; what the server refuses is said there in its words.
+  function shareItem(chat) {
+    const item = link("Share this chat (a link)", "#");
+    item.removeAttribute("download");
+    item.id = "share-chat";
+    item.removeEventListener("click", close);
+    item.addEventListener("click", async (event) => {
+      event.preventDefault();
+      event.stopPropagation();
+      const answer = await fetch(`${root}/share/chats/${chat}`, {
+        method: "POST", credentials: "same-origin", headers: {"Accept": "application/json"}});
+      const body = await answer.json().catch(() => ({}));
+      const shown = document.createElement("div");
+      shown.style.cssText = STYLE + "padding:6px 12px;max-width:22rem";
+      if (answer.ok) {
+        const field = document.createElement("input");
+        field.id = "share-link";
+        field.readOnly = true;
+        field.value = body.url;
+        field.style.cssText = STYLE + "width:100%;box-sizing:border-box";
+        shown.append("A link to this chat as it is now:", field);
+        item.replaceWith(shown);
+        field.select();
+        navigator.clipboard?.writeText(body.url).catch(() => {});
+      } else {
+        shown.id = "share-refused";
+        shown.textContent = body.detail || "This chat could not be shared.";
+        item.replaceWith(shown);
+      }
+    });
+    return item;
+  }
+
   function close() {
     document.getElementById("export-menu")?.remove();
   }
@@ -44,6 +78,10 @@
     }
     menu.append(link("All my chats as Markdown", "/export/chats?format=md"),
                 link("All my chats as JSON", "/export/chats?format=json"));
+    if (chat) menu.append(shareItem(chat));
+    const links = link("My share links", "/share");
+    links.removeAttribute("download");
+    menu.append(links);
     document.body.appendChild(menu);
   }
 

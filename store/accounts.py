@@ -36,6 +36,7 @@ _REMOVE_ACCOUNT_DATA = [
     'DELETE FROM usage WHERE "identifier" = :i',
     'DELETE FROM documents WHERE "identifier" = :i',
     'DELETE FROM api_responses WHERE "identifier" = :i',
+    'DELETE FROM shares WHERE "identifier" = :i',
     f'DELETE FROM feedbacks WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',

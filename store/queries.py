@@ -86,7 +86,8 @@ THREADS_OF_USER = (
     'WHERE f."threadId" = t."id" AND f."value" = CAST(:feedback AS INTEGER))) '
     'GROUP BY t."id", t."createdAt", t."name", t."userId", t."userIdentifier", t."tags", '
     't."metadata" ORDER BY "updatedAt" DESC NULLS LAST, t."id" LIMIT :limit')
-THREAD_DELETE = ['DELETE FROM feedbacks WHERE "threadId" = :id',
+THREAD_DELETE = ['DELETE FROM shares WHERE "threadId" = :id',
+                 'DELETE FROM feedbacks WHERE "threadId" = :id',
                  'DELETE FROM documents WHERE "threadId" = :id',
                  'DELETE FROM elements WHERE "threadId" = :id',
                  'DELETE FROM steps WHERE "threadId" = :id',

@@ -229,6 +229,14 @@ def migrations(postgres: bool) -> list[list[str]]:
             "createdAt" DOUBLE PRECISION NOT NULL, "status" TEXT NOT NULL,
             "response" TEXT NOT NULL, "messages" TEXT NOT NULL)''',
          'CREATE INDEX api_responses_by_account ON api_responses ("identifier", "createdAt")'],
+        # 10: read-only links to a chat as it was when shared (store/shares.py): the copy
+        # of its messages ("snapshot", JSON), its owner, and when it was revoked.
+        ['''CREATE TABLE shares (
+            "id" TEXT PRIMARY KEY, "identifier" TEXT NOT NULL, "threadId" TEXT NOT NULL,
+            "title" TEXT NOT NULL, "snapshot" TEXT NOT NULL, "createdAt" TEXT NOT NULL,
+            "revokedAt" TEXT)''',
+         'CREATE INDEX shares_by_account ON shares ("identifier", "revokedAt")',
+         'CREATE INDEX shares_by_thread ON shares ("threadId")'],
     ]
 
 

@@ -18,6 +18,7 @@ from tests.test_accounts import STAND_IN, add_user, thread_steps, threads
 from tests.test_api_responses import race_for_the_limit
 from tests.test_database_away import SLOW, problems, writes_wait_while_the_database_is_away
 from tests.test_documents import storage_limit_holds
+from tests.test_shares import share_cap_holds
 from tests.test_store import (feedback_duplicates_go_at_migration_7, hostile_round,
                               one_feedback_per_step, set_up_at_once)
 from tools.chainlit_client import TEST_PASSWORD, TEST_USER, ChatClient, serving
@@ -47,6 +48,10 @@ async def test_processes_setting_up_one_postgresql_database_at_once_do_it_once(d
 
 async def test_an_accounts_stored_files_stay_under_its_limit_when_messages_race(db_url):
     await storage_limit_holds(db_url)  # tests/test_documents.py
+
+
+async def test_an_account_holds_no_more_share_links_than_allowed_when_asks_race(db_url):
+    await share_cap_holds(db_url)  # tests/test_shares.py
 
 
 async def test_an_owners_stored_responses_stay_under_its_limit_when_requests_race(db_url):

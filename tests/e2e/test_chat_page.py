@@ -132,3 +132,37 @@ async def test_two_users_at_once_see_only_their_own_chats(browser, ready_server,
             await history.get_by_text(own[:20]).first.wait_for(timeout=30_000)
             assert not await history.get_by_text(foreign[:20]).count()
             assert_clean(who)
+
+
+async def test_a_chat_shared_by_link_opens_in_another_browser_until_revoked(
+        browser, ready_server, visit):
+    """The Export menu's "Share this chat": the link it shows opens the chat, read-only, for
+    another logged-in user in another browser; revoked on the "My share links" page, the
+    link shows nothing. (The routes' hostile cases: tests/test_shares.py.)"""
+    add_user(ready_server, "colleague", "the colleague's password")
+    page = visit.page
+    await log_in(visit)
+    await watch_reply(visit, await send(visit, "Shared question: what is a lighthouse?"))
+    await page.wait_for_url(re.compile(r"/thread/[0-9a-f-]{36}"), timeout=60_000)
+    await page.click("#export-button")
+    await page.click("#share-chat")
+    field = page.locator("#share-link")
+    await field.wait_for(timeout=30_000)
+    url = await field.input_value()
+    assert re.fullmatch(re.escape(ready_server.url) + r"/shared/[A-Za-z0-9_-]{32}", url), url
+    await shot(visit, "share-link")
+    async with visiting(browser, ready_server) as other:
+        await log_in(other, "colleague", "the colleague's password")
+        await other.page.goto(url)
+        await other.page.locator(".msg.user").get_by_text(
+            "Shared question: what is a lighthouse?").wait_for()
+        assert await other.page.locator(".msg.assistant").count() == 1
+        assert await other.page.get_by_text("Shared by tester").count() == 1
+        await shot(other, "shared-chat")
+        await page.goto(ready_server.url + "/share")
+        await page.get_by_role("button", name="Revoke").click()
+        await page.get_by_text("You have no share links.").wait_for()
+        await other.page.reload()
+        await other.page.get_by_text("No such link").first.wait_for()
+        assert other.elsewhere == []  # the shared page loads nothing from elsewhere
+    assert visit.elsewhere == []
