@@ -32,7 +32,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 
 from chat.invites import from_this_site
 from store.guests import is_guest
-from store.shares import NO_LINK, Shared, ShareRefused, Shares
+from store.shares import NO_LINK, Shared, ShareRefused, Shares, TooManyLinks
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,10 @@ class SharePages:
             link = await self.shares.create(current_user.identifier,
                                             getattr(current_user, "display_name", None),
                                             thread_id)
+        except TooManyLinks as exc:
+            raise HTTPException(409, str(exc)) from None
         except ShareRefused as exc:
-            raise HTTPException(409 if "revoke one" in str(exc) else 404, str(exc)) from None
+            raise HTTPException(404, str(exc)) from None
         log.info("share link made for a chat of %s", current_user.identifier)
         return JSONResponse({"id": link.id, "url": _url(request, link.id),
                              "title": link.title, "created_at": link.created_at},

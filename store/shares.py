@@ -40,7 +40,11 @@ NO_LINK = "No such link among your links."
 
 
 class ShareRefused(ChatError):
-    """A link not made (not the caller's chat, too many links), said in words."""
+    """A link not made or revoked (not the caller's chat or link, or none), in words."""
+
+
+class TooManyLinks(ShareRefused):
+    """The account holds `most` live links already; nothing was made."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class Shares:
         async with self.engine.begin() as conn:
             await locked(conn, f"shares:{owner}")
             if (await conn.execute(_LIVE, {"i": owner})).scalar_one() >= self.most:
-                raise ShareRefused(f"You have {self.most} share links already: revoke one you "
+                raise TooManyLinks(f"You have {self.most} share links already: revoke one you "
                                    "no longer need, then share again.")
             await conn.execute(_ADD, {"id": link.id, "i": owner, "thread": thread_id,
                                       "title": title, "snapshot": json.dumps(snapshot),
