@@ -87,12 +87,11 @@ class Logins:
         return await authenticate_user(token)
 
     async def user_of(self, request: Request):
-        """The logged-in user of a request (its cookie or bearer token), or None."""
-        token = get_token_from_cookies(request.cookies) or bearer(request)
-        if not await self.live_token(token):
-            return None
+        """The logged-in user of a request (its cookie or bearer token), or None: the same
+        check as `current_user`, for a page that also answers visitors."""
         try:
-            return await authenticate_user(token)
+            return await self.current_user(get_token_from_cookies(request.cookies)
+                                           or bearer(request))
         except HTTPException:
             return None
 

@@ -133,10 +133,10 @@ async def test_the_grafana_dashboard_asks_only_for_series_the_app_serves(server)
     await c.send("A question for the dashboard.")
     await c.close()
     answer = await server.request("/metrics")
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     served = set()
     for family in text_string_to_metric_families(answer.text):
         served |= {family.name, *(s.name for s in family.samples)}
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
         served |= {family.name + end for end in suffixes.get(family.type, [])}
     root = Path(__file__).resolve().parents[1] / "deploy" / "grafana"
     dashboard = json.loads((root / "vchat.json").read_text())
