@@ -103,11 +103,12 @@ def small_disk(megabytes: int):
 def fill(folder: Path) -> Path:
     """Take every byte left on `folder`'s filesystem; the file that holds them."""
     filler = folder / "filler"
-    with filler.open("wb") as out:
+    # Unbuffered: a buffered file would keep the bytes that did not fit and raise "No space
+    # left" again when it is closed.
+    with filler.open("wb", buffering=0) as out:
         with contextlib.suppress(OSError):
-            while True:
-                out.write(b"\0" * 65536)
-                out.flush()
+            while out.write(b"\0" * 65536):
+                pass
     return filler
 
 
