@@ -284,8 +284,11 @@ class Guard:
                                    self.gate.message, text, conv.profile, user=user,
                                    system_prompt=conv.settings.system_prompt,
                                    max_tokens=conv.settings.max_tokens, documents=documents)
+            # The profile the turn runs in (a guest's invite may fix it), not the one the
+            # page asked for: its cost is counted there.
             hold = await self.gate.place(
-                user, profile=session.chat_profile or "?", source="chat",
+                user, profile=conv.profile.name if conv is not None
+                else session.chat_profile or "?", source="chat",
                 reserve=conv.settings.max_tokens if conv is not None else 0,
                 thread_id=session.thread_id, starts_chat=starts_chat)
         except Refusal as exc:
