@@ -22,6 +22,7 @@ from engine import TurnStats
 from service import front_ends
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # By this name, not the module's: the README gives it to operators to filter on.
 turn_log = logging.getLogger("vchat.turns")
@@ -153,6 +154,10 @@ class TurnMetrics:
                                   "message's arrival to its reply's first token sent, "
                                   "finished turns", by, buckets=TTFT_BUCKETS,
                                   registry=registry)
+        self.per_token = Histogram("vchat_time_per_output_token_seconds", "A finished "
+                                   "turn's mean gap between its tokens after the first "
+                                   "(vLLM's TPOT), per turn", by, buckets=GAP_BUCKETS,
+                                   registry=registry)
         self.loop_lag = Histogram("vchat_event_loop_lag_seconds", "How late the app's event "
                                   "loop ran a timer that was due (service/loop.py)",
                                   buckets=LAG_BUCKETS, registry=registry)
@@ -193,6 +198,8 @@ class TurnMetrics:
             self.output_tokens.labels(profile).inc(stats.output_tokens)
             if stats.ttft_s is not None:
                 self.ttft.labels(profile).observe(stats.ttft_s)
+            if stats.tokens_per_s > 0:
+                self.per_token.labels(profile).observe(1 / stats.tokens_per_s)
             if stats.first_token_legs:
                 for leg, seconds in stats.first_token_legs.items():
                     self.ttft_legs.labels(profile, leg).observe(max(0.0, seconds))
