@@ -53,6 +53,11 @@ class Ops:
         self.router.add_api_route("/metrics", self.metrics, methods=["GET"])
 
     async def ready(self, request: Request) -> JSONResponse:
+        health = await self.state(request)
+        return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
+
+    async def state(self, request: Request) -> dict:
+        """What /ready answers (the admin page shows it too)."""
         health = await self.engines.health()
         health["turns_in_flight"] = self.shutdown.turns
         # Failed database writes are the operator's to see here, not only in the log.
@@ -73,7 +78,7 @@ class Ops:
             health["front_ends"] = statuses
             if health["status"] == "ok":
                 health["status"] = next((s for s in statuses.values() if s != "ok"), "ok")
-        return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
+        return health
 
     async def notice(self) -> JSONResponse:
         """Always 200: a 503 would be logged as an error in every visitor's console."""

@@ -17,6 +17,7 @@ from chainlit.oauth_providers import get_configured_oauth_providers
 from api.openai import OpenAIApi
 from api.ops import Ops
 from chat import forget
+from chat.admin import AdminPage
 from chat.attachments import Attachments
 from chat.data_layer import ChatDataLayer
 from chat.downloads import Downloads
@@ -43,6 +44,7 @@ from store.api_keys import ApiKeys
 from store.documents import Documents
 from store.guests import Guests
 from store.invites import Invites
+from store.operator import Operator
 from store.responses import StoredResponses
 from store.schema import database_url
 from store.sessions import LoginSessions
@@ -177,6 +179,10 @@ def build(http, sio, chainlit_config) -> Parts:
         http.add_middleware(SessionRouting, front=front_end, upload_bytes=guard.upload_bytes)
         chainlit_config.project.transports = ["websocket"]
     http.include_router(ops.router)  # /ready, /notice, /metrics
+    http.include_router(AdminPage(  # /admin
+        Operator(store.engine, setting("VCHAT_GUEST_CHATS"), guests.retention_days), usage,
+        logins.user_of, ops.state, [p.name for p in config.profiles],
+        os.environ["CHAINLIT_AUTH_SECRET"]).router)
     http.include_router(Downloads(store.engine).router)  # /export/chats[/ID]
     http.include_router(SharePages(  # /share..., /shared/ID
         Shares(store.engine, setting("VCHAT_SHARE_LINKS")), setting("VCHAT_SHARE_VIEWERS"),

@@ -1,6 +1,7 @@
 // The Export menu in the page's header: the chat open from the sidebar (its address is
 // /thread/ID) or every chat of the logged-in user, as Markdown or JSON, downloaded from
-// chat/downloads.py's routes with the page's own login cookie. It lives outside Chainlit's
+// chat/downloads.py's routes with the page's own login cookie; share links; for an admin,
+// the admin page. It lives outside Chainlit's
 // React tree and puts itself back whenever the header is drawn anew.
 (function () {
   const root = document.querySelector('meta[property="og:root_path"]')?.content || "";
@@ -83,6 +84,18 @@
     links.removeAttribute("download");
     menu.append(links);
     document.body.appendChild(menu);
+    adminItem(menu);
+  }
+
+  // For an admin, the admin page (chat/admin.py; it checks the role itself).
+  async function adminItem(menu) {
+    const answer = await fetch(`${root}/user`, {credentials: "same-origin"}).catch(() => null);
+    const user = answer && answer.ok ? await answer.json().catch(() => null) : null;
+    if (user?.metadata?.role !== "admin" || !menu.isConnected) return;
+    const admin = link("Admin page", "/admin");
+    admin.removeAttribute("download");
+    admin.id = "admin-page";
+    menu.append(admin);
   }
 
   function place() {

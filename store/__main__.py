@@ -28,9 +28,10 @@
                                                        VCHAT_GUEST_RETENTION_DAYS) removed
                                                        with their chats (the app does it
                                                        every hour)
-    .venv/bin/python -m store usage [--since DATE] [--until DATE] [--json]
+    .venv/bin/python -m store usage [--since DATE] [--until DATE] [--json] [--daily]
                                                        turns, tokens, stopped replies and
-                                                       thumbs per user and profile
+                                                       thumbs per user and profile (--daily:
+                                                       turns and tokens per day and profile)
     .venv/bin/python -m store feedback [--since DATE] [--until DATE]
                                                        every thumb and its comment
     .venv/bin/python -m store export [--since DATE] [--until DATE] [--user NAME]
@@ -59,11 +60,10 @@ from engine.settings import setting
 from store import export
 from store.accounts import AccountError, Accounts
 from store.api_keys import ApiKeys
-from store.guests import Guests
-from store.invites import Invites, parse_duration
+from store.operator import Operator, utc_minute
 from store.schema import connect, database_url, migrate
 from store.setup import data_dir
-from store.usage import Usage, UsageLine, parse_day, parse_quota
+from store.usage import DayLine, Usage, UsageLine, parse_day
 
 
 async def run(args) -> str:
@@ -75,8 +75,13 @@ async def run(args) -> str:
                     else f"schema brought from version {before} to {after}")
         if args.command == "keys":
             return await keys_command(ApiKeys(engine), args)
+        operator = Operator(engine, setting("VCHAT_GUEST_CHATS"),
+                            setting("VCHAT_GUEST_RETENTION_DAYS"))
         if args.command == "invites":
-            return await invites_command(Invites(engine), args)
+            return await invites_command(operator, args)
+        if args.command == "usage" and args.daily:
+            return days_table(await Usage(engine).days(
+                parse_day(args.since, "--since"), parse_day(args.until, "--until")), args.json)
         if args.command == "usage":
             return usage_table(await Usage(engine).report(
                 parse_day(args.since, "--since"), parse_day(args.until, "--until")), args.json)
@@ -89,30 +94,21 @@ async def run(args) -> str:
                 f"{t.at}\t{t.identifier}\t{t.profile}\t{t.thumbs}\tchat {t.thread_id}"
                 f"{chr(9) + ' '.join(t.comment.split()) if t.comment else ''}"
                 for t in thumbs) or "no feedback in this period"
-        accounts = Accounts(engine)
         if args.action == "list":
-            rows = await accounts.list()
+            rows = await Accounts(engine).list()
             return "\n".join(
                 f"{a.identifier}\t{a.role}\t{a.kind}\t{a.created_at}\t"
                 f"{'no quota' if a.daily_tokens is None else f'{a.daily_tokens} tokens/day'}"
                 for a in rows) or "no users"
         if args.action == "quota":
-            tokens = parse_quota(args.tokens)
-            await Usage(engine).set_quota(args.name, tokens)
-            return (f"{args.name}: no quota" if tokens is None
-                    else f"{args.name}: at most {tokens:,} tokens a day (UTC)")
+            return await operator.set_quota(args.name, args.tokens)
         if args.action == "add":
-            account = await accounts.add(args.name, read_password(args),
-                                         role="admin" if args.admin else "user")
-            return f"added {account.identifier} ({account.role})"
+            return (await operator.add_user(args.name, read_password(args), args.admin)).said
         if args.action == "password":
-            ended = await accounts.set_password(args.name, read_password(args))
-            return f"changed the password of {args.name}; {ended} session(s) ended"
+            return (await operator.set_password(args.name, read_password(args))).said
         if args.action == "logout":
-            ended = await accounts.log_out_everywhere(args.name)
-            return f"{ended} session(s) of {args.name} ended"
-        chats = await accounts.remove(args.name)
-        return f"removed {args.name} and its {chats} chat(s); its sessions ended"
+            return await operator.log_out(args.name)
+        return await operator.remove_user(args.name)
     finally:
         await engine.dispose()
 
@@ -134,58 +130,53 @@ async def keys_command(keys: ApiKeys, args) -> str:
     return f"revoked {args.id}"
 
 
-def known_profile(name: str | None) -> str | None:
-    """`name` if profiles.yaml (VCHAT_PROFILES) has that profile; ValueError otherwise."""
-    if name is None:
-        return None
+def profile_names() -> list[str]:
     from engine import load_config
 
-    names = [p.name for p in load_config().profiles]
-    if name not in names:
-        raise ValueError(f"--profile {name!r}: one of {', '.join(names)}")
-    return name
+    return [p.name for p in load_config().profiles]
 
 
-def utc_minute(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
-
-
-async def invites_command(invites: Invites, args) -> str:
+async def invites_command(operator: Operator, args) -> str:
     if args.action == "add":
-        invite, token = await invites.add(args.uses, parse_duration(args.expires),
-                                          known_profile(args.profile))
-        site = setting("VCHAT_PUBLIC_URL").rstrip("/")
-        return (f"invite {invite.id}: {invite.uses} use(s) until "
-                f"{utc_minute(invite.expires_at)} (the link is shown only now; "
-                f"VCHAT_PUBLIC_URL sets its address):\n{site}/invite/{token}")
+        made = await operator.add_invite(
+            args.uses, args.expires, args.profile,
+            profile_names() if args.profile is not None else (),
+            setting("VCHAT_PUBLIC_URL"))
+        return (f"{made.said} (the link is shown only now; VCHAT_PUBLIC_URL sets its "
+                f"address):\n{made.secret}")
     if args.action == "list":
         now = time.time()
         return "\n".join(
             f"{i.id}\t{i.state(now)}\t{i.used}/{i.uses} used\t{i.profile or 'any profile'}\t"
             f"until {utc_minute(i.expires_at)}\t{i.created_at}"
-            for i in await invites.list()) or "no invites"
+            for i in await operator.invites.list()) or "no invites"
     if args.action == "revoke":
-        ended = await invites.revoke(args.id)
-        return f"revoked invite {args.id}; {ended} guest session(s) ended"
-    days = setting("VCHAT_GUEST_RETENTION_DAYS") if args.action == "end" or args.days is None \
-        else args.days
-    if not days > 0:
-        raise ValueError("--days: more than 0")
-    guests = Guests(invites.engine, setting("VCHAT_GUEST_CHATS"), days)
+        return await operator.revoke_invite(args.id)
     if args.action == "end":
-        return f"revoked invite {args.id}; {await guests.end_invite(args.id)} guest(s) " \
-               "removed with their chats"
-    return f"{await guests.expire()} guest(s) older than {days:g} day(s) removed with their chats"
+        return await operator.end_invite(args.id)
+    return await operator.expire_guests(args.days)
 
 
 def usage_table(lines: list[UsageLine], as_json: bool) -> str:
     if as_json:
         return json.dumps([asdict(line) for line in lines], indent=1)
-    head = ("user", "profile", "turns", "prompt tokens", "reply tokens", "stopped", "up",
-            "down")
-    rows = [head] + [(line.identifier or "(operator key)", line.profile, line.turns,
-                      line.prompt_tokens, line.reply_tokens, line.stopped, line.thumbs_up,
-                      line.thumbs_down) for line in lines]
+    return table(("user", "profile", "turns", "prompt tokens", "reply tokens", "stopped", "up",
+                  "down"),
+                 [(line.identifier or "(operator key)", line.profile, line.turns,
+                   line.prompt_tokens, line.reply_tokens, line.stopped, line.thumbs_up,
+                   line.thumbs_down) for line in lines])
+
+
+def days_table(lines: list[DayLine], as_json: bool) -> str:
+    if as_json:
+        return json.dumps([asdict(line) for line in lines], indent=1)
+    return table(("day", "profile", "turns", "prompt tokens", "reply tokens"),
+                 [(d.day, d.profile, d.turns, d.prompt_tokens, d.reply_tokens) for d in lines])
+
+
+def table(head: tuple, lines: list[tuple]) -> str:
+    """Columns padded to their widest value, the first two to the left."""
+    rows = [head, *lines]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) if i < 2 else str(v).rjust(w)
                                for i, (v, w) in enumerate(zip(r, widths))) for r in rows) \
@@ -225,6 +216,7 @@ def main(argv: list[str]) -> int:
     report.add_argument("--since")
     report.add_argument("--until")
     report.add_argument("--json", action="store_true")
+    report.add_argument("--daily", action="store_true", help="per day and profile")
     thumbs = sub.add_parser("feedback")
     thumbs.add_argument("--since")
     thumbs.add_argument("--until")
@@ -242,7 +234,7 @@ def main(argv: list[str]) -> int:
     keys.add_parser("revoke").add_argument("id")
     invites = sub.add_parser("invites").add_subparsers(dest="action", required=True)
     invite = invites.add_parser("add")
-    invite.add_argument("--uses", type=int, required=True, help="how many people may join")
+    invite.add_argument("--uses", required=True, help="how many people may join")
     invite.add_argument("--expires", required=True, help="e.g. 90m, 2h, 7d")
     invite.add_argument("--profile", help="the one chat profile its guests get")
     invites.add_parser("list")

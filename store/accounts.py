@@ -41,6 +41,7 @@ _REMOVE_ACCOUNT_DATA = [
     f'DELETE FROM elements WHERE "threadId" IN ({_CHATS_OF})',
     f'DELETE FROM steps WHERE "threadId" IN ({_CHATS_OF})',
 ]
+_NO_PASSWORD = {"sso": "single sign-on", "guest": "an invite (a demo's guest)"}
 _REMOVE_THREADS = 'DELETE FROM threads WHERE "userIdentifier" = :i'
 
 
@@ -55,6 +56,8 @@ class Account:
     created_at: str
     kind: str = "password"  # or "sso": made by single sign-on, no password (chat/sso.py)
     daily_tokens: int | None = None  # its quota (store/usage.py); None: none
+    display_name: str | None = None  # a guest's chosen name
+    invite: str | None = None  # the invite a guest joined by (None: the open demo)
 
 
 def failure_delay(failures: int) -> float:
@@ -185,9 +188,14 @@ class Accounts:
         async with self.engine.begin() as conn:
             done = await conn.execute(text(
                 'UPDATE accounts SET "passwordHash" = :h, "failedLogins" = 0 '
-                'WHERE "identifier" = :i'), {"h": hashed, "i": identifier})
+                """WHERE "identifier" = :i AND "kind" = 'password'"""),
+                {"h": hashed, "i": identifier})
             if done.rowcount == 0:
-                raise AccountError(f"no user {identifier!r}")
+                row = (await conn.execute(text('SELECT "kind" FROM accounts WHERE '
+                                               '"identifier" = :i'), {"i": identifier})).first()
+                raise AccountError(f"no user {identifier!r}" if row is None else
+                                   f"{identifier} logs in by {_NO_PASSWORD.get(row[0], row[0])}"
+                                   ", not with a password")
             return await LoginSessions(self.engine).end_all(identifier, conn)
 
     async def log_out_everywhere(self, identifier: str) -> int:
@@ -200,9 +208,15 @@ class Accounts:
     async def list(self) -> list[Account]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(text(
-                'SELECT "identifier", "role", "createdAt", "kind", "dailyTokens" '
-                'FROM accounts ORDER BY "identifier"'))).all()
+                'SELECT "identifier", "role", "createdAt", "kind", "dailyTokens", "displayName", '
+                '"invite" FROM accounts ORDER BY "identifier"'))).all()
         return [Account(*row) for row in rows]
+
+    async def role(self, identifier: str) -> str | None:
+        """The account's role now ("admin" or "user"), or None if there is no such account."""
+        async with self.engine.connect() as conn:
+            return (await conn.execute(text('SELECT "role" FROM accounts WHERE "identifier" = :i'),
+                                       {"i": identifier})).scalar()
 
     async def count(self) -> int:
         async with self.engine.connect() as conn:

@@ -14,7 +14,8 @@ figures survive restarts and are the same on every replica of one database.
   with `quota_message`'s words and nothing of it is stored. An admitted turn's row is
   written then, pending, and becomes its cost when it ends.
 - `report` is what `python -m store usage` prints: per account and profile, turns, tokens,
-  stopped replies, and the thumbs up and down given to replies in the period.
+  stopped replies, and the thumbs up and down given to replies in the period; `days`, what
+  `usage --daily` prints: per day and profile (the admin page charts both).
 """
 
 from __future__ import annotations
@@ -50,13 +51,20 @@ _TURNS = text(
     'SUM(CASE WHEN "stopped" THEN 1 ELSE 0 END) FROM usage '
     'WHERE "day" >= :since AND "day" < :before AND NOT "pending" '
     'GROUP BY "identifier", "profile"')
+_DAYS = text(
+    'SELECT "day", "profile", COUNT(*), SUM("promptTokens"), SUM("replyTokens") FROM usage '
+    'WHERE "day" >= :since AND "day" < :before AND NOT "pending" GROUP BY "day", "profile" '
+    'ORDER BY "day", "profile"')
 # Every thumb given to a reply written in the period, with its comment and the reply's
 # metadata (its profile), newest first: the page rates a turn's run (Chainlit's step around
 # the reply), an API client the reply itself.
 _FEEDBACK = text(
     'SELECT s."createdAt", t."userIdentifier", f."value", f."comment", f."threadId", '
     's."metadata", (SELECT r."metadata" FROM steps r WHERE r."parentId" = s."id" '
-    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1) """
+    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1), """
+    '(SELECT r."output" FROM steps r WHERE r."parentId" = s."id" '
+    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1), """
+    """CASE WHEN s."type" = 'assistant_message' THEN s."output" END """
     'FROM feedbacks f JOIN steps s ON s."id" = f."forId" '
     'JOIN threads t ON t."id" = f."threadId" '
     'WHERE s."createdAt" >= :since AND s."createdAt" < :before ORDER BY s."createdAt" DESC')
@@ -129,6 +137,17 @@ class Thumb:
     thumbs: str  # "up" or "down"
     comment: str | None
     thread_id: str
+    reply: str | None = None  # the rated reply's text
+
+
+@dataclass(frozen=True)
+class DayLine:
+    """One UTC day's turns in one profile."""
+    day: str
+    profile: str
+    turns: int
+    prompt_tokens: int
+    reply_tokens: int
 
 
 def quota_message(quota: int, used: int) -> str:
@@ -238,8 +257,17 @@ class Usage:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_FEEDBACK, period(since, until))).all()
         return [Thumb(at, who, _profile(own) or _profile(replied) or "?",
-                      "up" if value else "down", comment, thread)
-                for at, who, value, comment, thread, own, replied in rows]
+                      "up" if value else "down", comment, thread, reply or own_text)
+                for at, who, value, comment, thread, own, replied, reply, own_text in rows]
+
+    async def days(self, since: date | None = None, until: date | None = None
+                   ) -> list[DayLine]:
+        """Per UTC day and profile, from `since` to `until` (both included), oldest first;
+        days with no turns are left out."""
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(_DAYS, period(since, until))).all()
+        return [DayLine(day, profile, turns, int(prompt or 0), int(reply or 0))
+                for day, profile, turns, prompt, reply in rows]
 
 
 def period(since: date | None, until: date | None) -> dict[str, str]:
