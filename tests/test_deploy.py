@@ -146,11 +146,16 @@ async def test_a_chat_through_the_proxy_is_there_on_either_replica_and_not_for_o
 
 
 async def test_each_chat_stays_on_one_model_server_which_caches_its_history(site):
-    """Chats until both servers have one: every chat's turns on one server, and its second
-    turn found its first turn's prompt in that server's prefix cache."""
+    await chats_kept_on_one_server(site, lambda n: client(site, n % 2))
+
+
+async def chats_kept_on_one_server(site, client_for) -> None:
+    """Chats (of `client_for(n)`) until both servers have one: every chat's turns on one
+    server, and its second turn found its first turn's prompt in that server's prefix
+    cache. (Also tests/test_router.py's, behind vLLM Router.)"""
     used = set()
     for n in range(12):
-        c = client(site, n % 2)
+        c = client_for(n)
         await c.connect()
         await c.send(LONG_FIRST)
         chat_id = (await threads(None, c))[0]["id"]
@@ -320,8 +325,15 @@ async def test_a_replica_killed_mid_reply_its_page_goes_on_with_the_chat_on_the_
 
 
 async def test_a_model_server_killed_mid_reply_moves_its_chats_to_the_other(site):
-    dave = client(site, 1, user="dave", profile="Throughput-first")
     add_user(site.replicas[1], "dave", "dave's password")
+    await killed_mid_reply_then_moved(site, client(site, 1, user="dave",
+                                                   profile="Throughput-first"))
+
+
+async def killed_mid_reply_then_moved(site, dave: ChatClient) -> None:
+    """dave's chat: its model server killed while it writes a long reply; the reply ends
+    saying so, and the chat's next turn goes to the other server. (Also
+    tests/test_router.py's, behind vLLM Router.)"""
     await dave.connect()
     await dave.settings(**GREEDY)
     await dave.send("Hello.")

@@ -1,6 +1,7 @@
 """The product past one machine, on this one: app replicas on one PostgreSQL behind HAProxy
-(deploy/haproxy-app.cfg), their presets on `vllm serve` processes behind a second HAProxy
-that keeps each chat on one server (deploy/haproxy-models.cfg). The configuration files
+(deploy/haproxy-app.cfg), their presets on `vllm serve` processes behind a router that
+keeps each chat on one server: a second HAProxy (deploy/haproxy-models.cfg) or vLLM Router
+(deploy/model-router.sh, `model_router="vllm-router"`). The configuration files
 are the shipped ones; only addresses differ. For tests/test_deploy.py and
 bench/replicas.py.
 
@@ -17,6 +18,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,13 +73,29 @@ class Haproxy:
                 self.proc.wait()
 
 
+class ModelRouter(Haproxy):
+    """deploy/model-router.sh (vLLM Router) in the foreground, its own process group, with
+    `addresses` (MODELS, ROUTER_PORT, ROUTER_METRICS_PORT) in its environment."""
+
+    def __init__(self, addresses: dict, log_path: Path):
+        super().__init__(DEPLOY / "model-router.sh", {
+            "VLLM_ROUTER": str(Path(sys.executable).with_name("vllm-router")),
+            "ROUTER_HOST": "127.0.0.1", **addresses}, log_path)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["sh", str(self.config)], env=self.env,
+                                     stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+
 async def wait_for(url: str, proxy: Haproxy, timeout: float = 60.0) -> None:
     """Until GET url (through `proxy`) answers 200."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as client:
         while time.monotonic() < deadline:
             if proxy.proc.poll() is not None:
-                raise RuntimeError(f"haproxy exited: {proxy.log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{proxy.config.name} exited: "
+                                   f"{proxy.log_path.read_text()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(url, timeout=5)).status_code == 200:
                     return
@@ -95,9 +113,11 @@ class Deployment:
     once on `database_url`, which may be empty), and stopped on leaving."""
 
     def __init__(self, folder: Path, database_url: str, replicas: int = 2,
-                 model_servers: int = 2, extra_env: dict | None = None):
+                 model_servers: int = 2, extra_env: dict | None = None,
+                 model_router: str = "haproxy"):
         self.folder, self.database_url = Path(folder), database_url
         self.n_replicas, self.n_models = replicas, model_servers
+        self.model_router = model_router  # "haproxy" or "vllm-router" (deploy/)
         self.extra_env = extra_env or {}
         self.models: list[VllmServer] = []
         self.replicas: list[Server] = []
@@ -139,11 +159,16 @@ class Deployment:
         await asyncio.gather(*(s.wait_ready() for s in self.models))
         port = free_port()
         self.models_url = f"http://127.0.0.1:{port}"
-        self.model_proxy = Haproxy(DEPLOY / "haproxy-models.cfg", {
-            "MODELS_BIND": f"127.0.0.1:{port}",
-            **dict(zip(("MODEL1", "MODEL2"),
-                       two([s.url.removeprefix("http://") for s in self.models])))},
-            self.folder / "haproxy-models.log")
+        if self.model_router == "vllm-router":
+            self.model_proxy = ModelRouter({
+                "MODELS": " ".join(s.url for s in self.models), "ROUTER_PORT": str(port),
+                "ROUTER_METRICS_PORT": str(free_port())}, self.folder / "model-router.log")
+        else:
+            self.model_proxy = Haproxy(DEPLOY / "haproxy-models.cfg", {
+                "MODELS_BIND": f"127.0.0.1:{port}",
+                **dict(zip(("MODEL1", "MODEL2"),
+                           two([s.url.removeprefix("http://") for s in self.models])))},
+                self.folder / "haproxy-models.log")
         self.model_proxy.start()
         await wait_for(self.models_url + "/health", self.model_proxy)
 
