@@ -34,6 +34,8 @@ class Engine(abc.ABC):
     remote = None  # the preset's `remote:` block (config.Remote), where it has one
     kv_tokens: int | None = None  # tokens its KV cache holds, where it has one to count
     block_size: int = 1  # the cache's unit, in tokens
+    kv_bytes_per_token: int | None = None  # one token's keys and values, all layers
+    kv_offload_gib: float = 0.0  # CPU memory its KV blocks are offloaded to (0: none)
     metrics = None  # its own Prometheus registry of vLLM's series (metrics.py), if any
     warm = False  # needs no warm-up: it joined a running engine that had one
     restart_expected_s: float | None = None  # dead, how long its restart should take

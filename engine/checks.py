@@ -13,7 +13,8 @@ import typing
 from .errors import ConfigError
 
 # vLLM options the engine layer sets itself; a preset naming them would be overridden.
-MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization"}
+MANAGED_OPTIONS = {"model", "tokenizer", "kv_cache_memory_bytes", "gpu_memory_utilization",
+                   "kv_offloading_size"}
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
@@ -69,8 +70,8 @@ def check_vllm(source: str, where: str, options) -> dict:
     known = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
     for key, value in options.items():
         if key in MANAGED_OPTIONS:
-            raise ConfigError(source, f"{where}.{key}",
-                              "set by the engine layer (use `model:` and `memory_share`)")
+            raise ConfigError(source, f"{where}.{key}", "set by the engine layer (use "
+                              "`model:`, `memory_share` and `memory:`'s cpu_offload_gib)")
         if key == "device_ids":  # the preset's GPUs are checked against the memory shares
             raise ConfigError(source, f"{where}.{key}",
                               "set the preset's `gpus:` instead (GPU indices; checked "

@@ -33,6 +33,11 @@ class Memory:
 
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 4.0
+    # On a GPU, CPU memory that keeps KV blocks the GPU's cache lets go (vLLM's native KV
+    # offloading), so a chat that comes back after others filled the GPU has its history
+    # loaded, not computed again: GiB for all engines together, 0 for none, or "auto"
+    # (engine/launch.py's offload_gib: a share of the machine's memory).
+    cpu_offload_gib: float | str = 0.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,16 @@ def load_config(path: str | Path | None = None, env: dict | None = None) -> Conf
     return _build(source, raw)
 
 
+def check_offload(source: str, value) -> float | str:
+    """memory.cpu_offload_gib: "auto", or GiB, 0 or more."""
+    if value == "auto":
+        return value
+    if isinstance(value, str):
+        raise ConfigError(source, "memory.cpu_offload_gib", f'"auto" or GiB (0: none), got '
+                          f"{value!r}")
+    return check_number(source, "memory.cpu_offload_gib", value, float, lo=0.0)
+
+
 def _build(source: str, raw: dict) -> Config:
     model = check_type(source, "model", raw.get("model", "auto"), str)
     engines = check_type(source, "engines", raw.get("engines", "auto"), str)
@@ -209,8 +224,9 @@ def _build(source: str, raw: dict) -> Config:
     vllm = check_vllm(source, "vllm", raw.get("vllm") or {})
     mem_raw = check_map(source, "memory", raw.get("memory") or {},
                         optional={f.name for f in dataclasses.fields(Memory)})
-    memory = Memory(**{k: check_number(source, f"memory.{k}", v, float, lo=0.0, lo_open=True,
-                                       hi=1.0 if k == "gpu_memory_utilization" else None)
+    memory = Memory(**{k: check_offload(source, v) if k == "cpu_offload_gib" else
+                       check_number(source, f"memory.{k}", v, float, lo=0.0, lo_open=True,
+                                    hi=1.0 if k == "gpu_memory_utilization" else None)
                        for k, v in mem_raw.items()})
 
     presets = {}

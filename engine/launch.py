@@ -58,11 +58,13 @@ class Machine:
     cores: int
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
     gpus: int = 1  # how many, when `gpu`
+    memory_gib: float = 0.0  # its memory (RAM), where known
 
     @classmethod
     def here(cls) -> "Machine":
         gpu = has_cuda()
-        return cls(gpu, len(os.sched_getaffinity(0)), cpu_flags(), gpu_count() if gpu else 0)
+        return cls(gpu, len(os.sched_getaffinity(0)), cpu_flags(), gpu_count() if gpu else 0,
+                   memory_gib())
 
     @property
     def gpus_text(self) -> str:
@@ -190,6 +192,10 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     args.setdefault("dtype", "auto" if machine.gpu else cpu_dtype(machine.cpu_flags))
     if machine.gpu:
         args["gpu_memory_utilization"] = config.memory.gpu_memory_utilization * preset.memory_share
+        offload = offload_gib(config.memory.cpu_offload_gib, machine) * preset.memory_share
+        if offload > 0:  # vLLM's native KV offloading (its CacheConfig)
+            args["kv_offloading_size"] = round(offload, 2)
+            args.setdefault("kv_offloading_backend", "native")
         # vLLM forks its engine process while CUDA is untouched; a fork inherits Chainlit's
         # modules, whose lazy attributes break torch.compile's cache pickling there
         # (KeyError: 'torch'). Spawned, the process starts clean (neutral_main).
@@ -201,6 +207,32 @@ def engine_setup(config: Config, preset: Preset, model: str, machine: Machine,
     # (engine/cpu_worker.py).
     args.setdefault("worker_cls", CPU_WORKER)
     return EngineSetup(args, cpu_thread_env(env, machine.cores))
+
+
+# memory.cpu_offload_gib "auto": this share of the machine's memory, at most OFFLOAD_MOST_GIB,
+# where the machine has at least OFFLOAD_FROM_GIB (the app's processes, vLLM's engine
+# process and the page cache need the rest).
+OFFLOAD_SHARE, OFFLOAD_MOST_GIB, OFFLOAD_FROM_GIB = 0.25, 64.0, 32.0
+
+
+def offload_gib(setting: float | str, machine: Machine) -> float:
+    """GiB of CPU memory for offloaded KV blocks, for all engines together (0: none).
+    Offloading is for a GPU's cache; without a GPU the KV cache is in CPU memory already."""
+    if not machine.gpu:
+        return 0.0
+    if setting != "auto":
+        return float(setting)
+    if machine.memory_gib < OFFLOAD_FROM_GIB:
+        return 0.0
+    return min(OFFLOAD_MOST_GIB, OFFLOAD_SHARE * machine.memory_gib)
+
+
+def memory_gib() -> float:
+    """This machine's memory in GiB (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError):
+        return 0.0
 
 
 def compile_caches(env: Mapping[str, str]) -> dict[str, str]:

@@ -154,6 +154,21 @@ class PresetEngine(Engine):
     def block_size(self) -> int:
         return self.cache_config.block_size
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's keys and values over every layer, in the cache's type (Qwen3-4B in
+        bfloat16: 36 layers x 8 KV heads x 128 x 2 x 2 bytes = 144 KiB)."""
+        config = self._require().vllm_config
+        model, parallel = config.model_config, config.parallel_config
+        dtype = self.cache_config.cache_dtype
+        size = model.dtype.itemsize if dtype == "auto" else (1 if "fp8" in dtype else 2)
+        return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                * model.get_head_size() * size)
+
+    @property
+    def kv_offload_gib(self) -> float:
+        return float(self.cache_config.kv_offloading_size or 0.0)
+
     async def check_health(self) -> bool:
         if self._llm is None:
             return False

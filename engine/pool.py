@@ -45,6 +45,26 @@ RESTARTING = ("The model for this chat stopped unexpectedly and is being restart
               "send your message again in a minute.")
 
 
+def capacity_line(name: str, kv_tokens: int, bytes_per_token: int | None, offload_gib: float,
+                  max_model_len: int | None, seats: dict[str, int]) -> str:
+    """What an engine's KV cache holds, as the start-up log says it: tokens and bytes, what
+    CPU memory adds for returning chats, full contexts and 2K-token turns at once, seats."""
+    gib = 1 << 30
+    per = f" ({bytes_per_token / 1024:,.0f} KiB a token, {kv_tokens * bytes_per_token / gib:,.1f}" \
+          " GiB)" if bytes_per_token else ""
+    offload = ""
+    if offload_gib and bytes_per_token:
+        offload = (f", and {offload_gib:,.1f} GiB of CPU memory hold "
+                   f"{int(offload_gib * gib / bytes_per_token):,} more for returning chats")
+    fits = [f"{kv_tokens // max_model_len:,} turns of the full {max_model_len:,}-token "
+            "context"] if max_model_len else []
+    if not max_model_len or max_model_len > 2048:
+        fits.append(f"{kv_tokens // 2048:,} turns of 2,048 tokens")
+    return (f"Engine {name!r}: its KV cache holds {kv_tokens:,} tokens{per}{offload}; that is "
+            f"{' or '.join(fits)} at once; seats: "
+            + ", ".join(f"{p} {n:,}" for p, n in seats.items()))
+
+
 def _backoff(attempt: int) -> float:
     """Seconds to wait before restart attempt `attempt` (0-based) of a dead engine."""
     return RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
@@ -132,9 +152,10 @@ class Engines:
         the engine's KV cache; a preset keeps room in it for the lower ones' turns not to
         take (its seats x twice its longest default reply, about a prompt and a reply)."""
         line = Line(engine.kv_tokens, engine.block_size)
+        seated = {}
         for preset in group.presets:
-            running = seats(self.config, preset, machine.gpu) if group.shared \
-                else engine.max_num_seqs
+            running = seated[preset.name] = seats(self.config, preset, machine.gpu) \
+                if group.shared else engine.max_num_seqs
             replies = [p.sampling.max_tokens for p in self.config.profiles
                        if p.preset == preset.name]
             self.admission[preset.name] = Admission(
@@ -143,6 +164,9 @@ class Engines:
                 account_share=preset.account_share,
                 account_queued_share=preset.account_queued_share)
             self.engine_of[preset.name] = group.name
+        if engine.kv_tokens:
+            log.info("%s", capacity_line(group.name, engine.kv_tokens, engine.kv_bytes_per_token,
+                                         engine.kv_offload_gib, engine.max_model_len, seated))
 
     async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
         """Before /ready: the profiles' sampling in batches up to the seats (on a GPU; on a
@@ -293,6 +317,8 @@ class Engines:
                 max_queued=sum(g.queued for g in lines.values()),
                 kv_tokens=next((g.line.kv_tokens for g in lines.values()), None),
                 kv_held=next((g.line.held for g in lines.values()), 0),
+                kv_bytes_per_token=engine.kv_bytes_per_token if healthy else None,
+                kv_offload_gib=engine.kv_offload_gib if healthy else 0.0,
                 warm_up_s=self.warm_up_s.get(name),
                 presets={p: {"priority": g.priority, "admitted": g.inside, "queued": g.waiting,
                              "seats": g.running, "max_queued": g.queued, "kv_held": g.held,

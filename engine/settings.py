@@ -149,11 +149,11 @@ SETTINGS = {s.name: s for s in (
     Setting("VCHAT_GUEST_CHATS", whole(1), "5", "the chats a demo guest may keep at most"),
     Setting("VCHAT_GUEST_TURNS_PER_MINUTE", whole(1), "10", "messages a minute a demo "
             "guest may send"),
-    Setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE", whole(1), "300", "messages a minute "
+    Setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE", whole(1), "1200", "messages a minute "
             "that the demo guests who joined from one client address may send together"),
-    Setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS", whole(0), "5000000", "tokens a day that "
+    Setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS", whole(0), "20000000", "tokens a day that "
             "the demo guests who joined from one client address share"),
-    Setting("VCHAT_GUEST_JOINS_PER_ADDRESS", whole(1), "200", "demo guests one client "
+    Setting("VCHAT_GUEST_JOINS_PER_ADDRESS", whole(1), "1200", "demo guests one client "
             "address may make in an hour (a room often shares one address)"),
     Setting("VCHAT_GUEST_LOGIN_HOURS", number(0, above=True), "12", "how long a demo "
             "guest's login lasts (then its chats are out of its reach)"),

@@ -13,6 +13,10 @@
 #                                                  chat beside streaming users)
 #   scripts/gpu_run.sh OUT isolation [ARGS...]     bench.isolation (a long prompt beside
 #                                                  streams) on the shipped shared engine
+#   scripts/gpu_run.sh OUT returning [ARGS...]     bench.returning (returning chats with and
+#                                                  without KV offloading to CPU memory)
+#   scripts/gpu_run.sh OUT room [ARGS...]          bench.room (1,000 guests join by one
+#                                                  invite link and ask at once)
 #   scripts/gpu_run.sh OUT reliability [ARGS...]   bench.reliability (a front end, then the
 #                                                  core, killed under 256 streams)
 #   scripts/gpu_run.sh OUT soak [ARGS...]          bench.soak (mixed traffic, sampled each
@@ -145,6 +149,16 @@ case "$step" in
       > "$out/isolation-${ISOLATION_NAME:-run}.log" 2>&1
     status=$?; grep '^{' "$out/isolation-${ISOLATION_NAME:-run}.log" | cut -c1-400
     [ "$status" = 0 ] || tail -30 "$out/isolation-${ISOLATION_NAME:-run}.log"; exit $status ;;
+  returning)  # bench.returning: returning chats with and without KV offloading to CPU
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.returning --out "$out/returning.json" "$@" > "$out/returning.log" 2>&1
+    status=$?; grep '^{' "$out/returning.log" | cut -c1-600
+    [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
+  room)  # bench.room: a room of guests joining by one invite link, all asking at once
+    VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
+      python3 -m bench.room --name "${ROOM_NAME:-gpu-room}" "$@" > "$out/room.log" 2>&1
+    status=$?; tail -12 "$out/room.log"
+    cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null; exit $status ;;
   reliability)  # bench.reliability: a front end, then the core, killed under load (shipped app)
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.reliability --name "${RELIABILITY_NAME:-gpu-reliability}" "$@" \

@@ -13,6 +13,7 @@ import yaml
 
 from engine import ConfigError, load_config
 from engine.launch import GIB, Machine, cpu_dtype, engine_groups, engine_setup, group_setup
+from engine.pool import capacity_line
 from engine import settings as settings_module
 from engine.settings import SETTINGS, Setting, check_all, setting
 from engine.steps import STEP_CLASSES_KEY
@@ -474,3 +475,47 @@ def test_engine_kind_is_vllm_unless_the_stand_in_is_asked_for():
         with pytest.raises(ConfigError) as err:
             engine_kind(env)
         assert err.value.field == field
+
+
+def test_kv_offloading_takes_a_share_of_a_gpu_machines_memory_unless_set(tmp_path):
+    def config_from(data):
+        return load_config(write(tmp_path, data), env={})
+
+    assert load_config(ROOT / "profiles.yaml", env={}).memory.cpu_offload_gib == 0  # shipped
+    config = load_config(write(tmp_path, mutated(
+        lambda data: data["memory"].update(cpu_offload_gib="auto"))), env={})
+    (group,) = engine_groups(config)
+    big_host = Machine(gpu=True, cores=16, memory_gib=128.0)
+    args = group_setup(config, group, "/m", big_host, env={}).args
+    assert args["kv_offloading_size"] == 32.0 and args["kv_offloading_backend"] == "native"
+    huge = group_setup(config, group, "/m", Machine(gpu=True, cores=16, memory_gib=2048.0),
+                       env={}).args
+    assert huge["kv_offloading_size"] == 64.0  # at most OFFLOAD_MOST_GIB
+    for machine in (Machine(gpu=True, cores=16, memory_gib=16.0), CPU):  # too little; no GPU
+        assert "kv_offloading_size" not in group_setup(config, group, "/m", machine,
+                                                       env={}).args
+    raw = mutated(lambda data: None)
+    raw["memory"]["cpu_offload_gib"] = 0
+    off = config_from(raw)
+    assert "kv_offloading_size" not in group_setup(off, group, "/m", big_host, env={}).args
+    raw["memory"]["cpu_offload_gib"] = 10
+    (one_preset,) = [p for p in engine_groups(config_from(raw))]
+    assert group_setup(config_from(raw), one_preset, "/m", big_host,
+                       env={}).args["kv_offloading_size"] == 10.0
+    for bad in ("lots", -1):
+        raw["memory"]["cpu_offload_gib"] = bad
+        with pytest.raises(ConfigError, match="cpu_offload_gib"):
+            config_from(raw)
+    raw["memory"]["cpu_offload_gib"] = "auto"
+    raw["vllm"]["kv_offloading_size"] = 8
+    with pytest.raises(ConfigError, match="memory:`'s cpu_offload_gib"):
+        config_from(raw)
+
+
+def test_the_start_says_what_the_kv_cache_holds():
+    line = capacity_line("shared", 853_088, 147_456, 32.0, 262_144,
+                         {"latency-first": 64, "throughput-first": 256})
+    assert "853,088 tokens (144 KiB a token, 117.2 GiB)" in line
+    assert "32.0 GiB of CPU memory hold 233,016 more for returning chats" in line
+    assert "3 turns of the full 262,144-token context or 416 turns of 2,048 tokens" in line
+    assert line.endswith("seats: latency-first 64, throughput-first 256")

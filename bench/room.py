@@ -1,0 +1,248 @@
+"""A room of people joining one demo through one invite link (issue 59): the app as
+`make run` starts it (the launcher, its front ends), an invite link made as an operator
+makes it (`python -m store invites add`), then `--guests` people:
+
+1. join: each opens the link and sends a name (POST /invite/TOKEN: the guest row and its
+   login), arriving evenly over `--join-over-s`; then opens the chat's socket with the
+   login it got. Each join's and connect's time, and any refusal;
+2. once all are in, every guest sends one message at the same moment, asking for
+   `--output-len` tokens (VCHAT_BENCH_IGNORE_EOS: replies run to it), in the chat profile
+   `--profile`: each reply's time to first token, whether it came whole, and whether the
+   guest was told its place in line while waiting; the engines' preemptions (/ready).
+
+The guests are spread over `--processes` client processes (as many browsers are), which
+start each step together. On a CPU the stand-in engine (`--stand-in`) stands for the model:
+the join path and the app's line are measured, not a model.
+
+    python -m bench.room --guests 1000 --join-over-s 30 --name gpu-room   (GPU: dummy Qwen3-4B)
+    python -m bench.room --guests 200 --stand-in --name room-cpu            (CPU, a proxy)
+
+Writes bench/results/NAME.json with a `targets` list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from bench.app_clients import _answer
+from bench.reliability import device, save
+from chat.view import queued_notice
+from tools.chainlit_client import ROOT, ChatClient, Server
+
+WAITING = queued_notice(1).split(":")[0]  # "Many people are chatting right now"
+READY_TIMEOUT_S, RUN_TIMEOUT_S = 600.0, 900.0
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+
+async def join_and_connect(url: str, token: str, name: str, at: float) -> dict:
+    """One guest: waits until `at`, joins, connects. Its figures and its client."""
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    start = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        joined = await http.post(f"/invite/{token}", data={"name": name})
+    join_s = time.monotonic() - start
+    out = {"join_s": join_s, "status": joined.status_code, "client": None}
+    cookie = joined.cookies.get("access_token")
+    if joined.status_code != 303 or not cookie:
+        out["refused"] = joined.text[-300:]
+        return out
+    client = ChatClient(url, "")
+    start = time.monotonic()
+    try:
+        await client.connect_with(cookie)
+    except Exception as exc:  # said in the figures
+        out["connect_error"] = repr(exc)[:200]
+        return out
+    out["connect_s"] = time.monotonic() - start
+    out["client"] = client
+    return out
+
+
+async def ask(client: ChatClient, text: str, output_len: int) -> dict:
+    start_event = len(client.events)
+    sent = time.monotonic()
+    try:
+        reply = await client.send(text, timeout=RUN_TIMEOUT_S)
+    except Exception as exc:
+        return {"ok": False, "error": repr(exc)[:200]}
+    tokens = [e for e in client.events[start_event:] if e.name == "stream_token"]
+    notes = [n for n in reply.notes if not n.startswith(WAITING)]
+    meta = (reply.reply or {}).get("metadata") or {}
+    return {"ok": bool(reply.shown) and not notes and meta.get("output_tokens") == output_len,
+            "ttft_s": tokens[0].at - sent if tokens else None, "end_s": time.monotonic() - sent,
+            # The place-in-line note is a message of its own, removed once the reply starts.
+            "waited": any(e.name == "new_message" and isinstance(e.data, dict)
+                          and str(e.data.get("output", "")).startswith(WAITING)
+                          for e in client.events[start_event:]),
+            "output_tokens": meta.get("output_tokens"), "notes": notes[:2],
+            "sent": sent, "ended": time.monotonic()}
+
+
+async def guests(url: str, token: str, names: list[str], offsets: list[float], profile: str,
+                 output_len: int, conn, go_join, go_ask) -> None:
+    """One client process's guests: join when told, then ask when told."""
+    conn.send("ready")
+    while not go_join.is_set():
+        await asyncio.sleep(0.002)
+    base = time.monotonic()
+    joined = await asyncio.gather(*[join_and_connect(url, token, n, base + o)
+                                    for n, o in zip(names, offsets)])
+    clients = [j.pop("client") for j in joined]
+    live = [c for c in clients if c is not None]
+    await asyncio.gather(*[c.settings(max_tokens=output_len, show_stats=False) for c in live])
+    conn.send(("joined", joined))
+    while not go_ask.is_set():
+        await asyncio.sleep(0.002)
+    asked = await asyncio.gather(*[ask(c, f"Hello from seat {i}, please tell me a story.",
+                                       output_len) for i, c in enumerate(live)])
+    await asyncio.gather(*[c.close() for c in live], return_exceptions=True)
+    conn.send(("asked", asked))
+
+
+def process_main(*args) -> None:
+    conn = args[6]
+    try:
+        asyncio.run(guests(*args))
+    except Exception as exc:
+        conn.send(("failed", repr(exc)))
+
+
+async def answer(conn, timeout: float):
+    said = await _answer(conn, timeout)
+    if isinstance(said, tuple) and said[0] == "failed":
+        raise RuntimeError(f"a client process failed: {said[1]}")
+    return said
+
+
+def make_invite(server: Server, uses: int, profile: str | None) -> str:
+    extra = ["--profile", profile] if profile else []
+    done = subprocess.run([sys.executable, "-m", "store", "invites", "add", "--uses", str(uses),
+                           "--expires", "2h", *extra], env=dict(server.env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.strip().splitlines()[-1].rsplit("/invite/", 1)[1]
+
+
+async def main(args) -> dict:
+    env = {"VCHAT_BENCH_IGNORE_EOS": "1", "VCHAT_GUEST_JOINS_PER_ADDRESS": str(args.guests + 10),
+           "VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE": str(args.guests * 2)}
+    if args.front_ends:
+        env["VCHAT_FRONT_ENDS"] = str(args.front_ends)
+    if args.stand_in:
+        env.update(VCHAT_ENGINE="stand-in", VCHAT_STANDIN_TOKENS_PER_S=str(args.stand_in_tps))
+    server = Server(env)
+    context = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    try:
+        await server.wait_ready(timeout=900)
+        ready = await server.get("/ready")
+        token = make_invite(server, args.guests, args.profile)
+        go_join, go_ask = context.Event(), context.Event()
+        spacing = args.join_over_s / max(1, args.guests)
+        for p in range(args.processes):
+            mine, theirs = context.Pipe()
+            seats = range(args.guests)[p::args.processes]
+            proc = context.Process(target=process_main, daemon=True, args=(
+                server.url, token, [f"Guest {i}" for i in seats], [i * spacing for i in seats],
+                args.profile, args.output_len, theirs, go_join, go_ask))
+            proc.start()
+            procs.append(proc)
+            conns.append(mine)
+        for conn in conns:
+            assert await answer(conn, READY_TIMEOUT_S) == "ready"
+        start = time.monotonic()
+        go_join.set()
+        joins = [j for conn in conns for j in (await answer(conn, READY_TIMEOUT_S))[1]]
+        joined_s = time.monotonic() - start
+        before = await preempted(server)
+        go_ask.set()
+        asks = [a for conn in conns for a in (await answer(conn, RUN_TIMEOUT_S))[1]]
+        result = figures(args, joins, asks, joined_s)
+        result.update(device=device(), front_ends=(ready.get("front_end") or {}).get("count"),
+                      engine="stand-in" if args.stand_in else "vllm",
+                      preemptions=await preempted(server) - before)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        server.stop()
+    result["targets"] = targets(result)
+    return result
+
+
+async def preempted(server: Server) -> int:
+    engines = (await server.get("/ready")).get("engines") or {}
+    return sum(e.get("preempted") or 0 for e in engines.values())
+
+
+def figures(args, joins: list[dict], asks: list[dict], joined_s: float) -> dict:
+    join_s = [j["join_s"] for j in joins if j["status"] == 303]
+    connect_s = [j["connect_s"] for j in joins if "connect_s" in j]
+    ttft = [a["ttft_s"] for a in asks if a.get("ttft_s") is not None]
+    complete = [a for a in asks if a.get("ok")]
+    tokens = sum(a.get("output_tokens") or 0 for a in complete)
+    span = (max(a["ended"] for a in complete) - min(a["sent"] for a in complete)) \
+        if complete else 0.0
+    return {
+        "guests": args.guests, "join_over_s": args.join_over_s, "output_len": args.output_len,
+        "profile": args.profile, "processes": args.processes,
+        "joined": len(join_s), "refused": [j.get("refused", "")[:120] for j in joins
+                                           if j["status"] != 303][:5],
+        "join_p50_s": statistics.median(join_s) if join_s else None,
+        "join_p95_s": percentile(join_s, 0.95), "all_joined_s": round(joined_s, 2),
+        "connected": len(connect_s), "connect_p95_s": percentile(connect_s, 0.95),
+        "connect_errors": [j["connect_error"] for j in joins if "connect_error" in j][:5],
+        "asked": len(asks), "complete": len(complete),
+        "incomplete": [a.get("notes") or a.get("error") for a in asks if not a.get("ok")][:5],
+        "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "ttft_p95_s": percentile(ttft, 0.95),
+        "last_reply_s": max((a["end_s"] for a in complete), default=None),
+        "told_their_place": sum(a.get("waited", False) for a in asks),
+        "tokens_per_s": round(tokens / span, 1) if span else None}
+
+
+def targets(r: dict) -> list[dict]:
+    return [
+        {"target": f"{r['guests']} guests join within 60 s", "value": r["all_joined_s"],
+         "met": r["joined"] == r["guests"] and r["all_joined_s"] <= 60},
+        {"target": "join p95 <= 1 s", "value": r["join_p95_s"],
+         "met": r["join_p95_s"] is not None and r["join_p95_s"] <= 1.0},
+        {"target": "none refused in error", "value": len(r["refused"]) + len(r["connect_errors"]),
+         "met": not r["refused"] and not r["connect_errors"]},
+        {"target": "every reply complete", "value": f"{r['complete']}/{r['guests']}",
+         "met": r["complete"] == r["guests"]},
+        {"target": "0 preemptions", "value": r["preemptions"], "met": r["preemptions"] == 0}]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--guests", type=int, default=1000)
+    p.add_argument("--join-over-s", type=float, default=30.0)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--profile", default="Throughput-first",
+                   help="the invite's profile (empty: any; the guests' default)")
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--front-ends", type=int, default=0, help="default: the app's own")
+    p.add_argument("--stand-in", action="store_true", help="the stand-in engine (CPU)")
+    p.add_argument("--stand-in-tps", type=float, default=200.0)
+    p.add_argument("--name", default="room-cpu")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse()
+    print(save(asyncio.run(main(args)), args.name))
