@@ -12,9 +12,12 @@ makes it (`python -m store invites add`), then `--guests` people:
 
 The guests are spread over `--processes` client processes (as many browsers are), which
 start each step together. On a CPU the stand-in engine (`--stand-in`) stands for the model:
-the join path and the app's line are measured, not a model.
+the join path and the app's line are measured, not a model. With `--engine-baseline`
+the same load then runs on the engine path (bench/paths.py), for app/engine tok/s and the
+TTFT p50 ratio.
 
-    python -m bench.room --guests 1000 --join-over-s 30 --name gpu-room   (GPU: dummy Qwen3-4B)
+    python -m bench.room --guests 1000 --join-over-s 30 --engine-baseline --name gpu-room
+                                                             (GPU: dummy Qwen3-4B)
     python -m bench.room --guests 200 --stand-in --name room-cpu            (CPU, a proxy)
 
 Writes bench/results/NAME.json with a `targets` list.
@@ -180,8 +183,37 @@ async def main(args) -> dict:
             if proc.is_alive():
                 proc.kill()
         server.stop()
+    if args.engine_baseline and not args.stand_in:
+        result["engine_path"] = await engine_path(args)
+        result.update(ratios(result))
     result["targets"] = targets(result)
     return result
+
+
+async def engine_path(args) -> dict:
+    """The same load straight on the shared engine (bench/paths.py's engine path: no app,
+    no line of the app's own; vLLM queues beyond its seats), after the app has stopped."""
+    from bench.paths import run_engine
+    from bench.workloads import chat
+    from engine import Engines, load_config
+
+    pool = Engines(load_config())
+    await pool.start()
+    try:
+        (engine,) = pool.engines.values()
+        out = await run_engine(engine, chat(args.guests, args.output_len), args.guests)
+    finally:
+        pool.shutdown()
+    return {"tok_s": out["tok_s"], "ttft_p50_s": out["ttft_ms"]["p50"] / 1000,
+            "completed": out["completed"], "engine": out.get("engine")}
+
+
+def ratios(r: dict) -> dict:
+    engine = r["engine_path"]
+    return {"app_over_engine_tok_s": round(r["tokens_per_s"] / engine["tok_s"], 3)
+            if r["tokens_per_s"] and engine["tok_s"] else None,
+            "ttft_p50_over_engine": round(r["ttft_p50_s"] / engine["ttft_p50_s"], 3)
+            if r["ttft_p50_s"] and engine["ttft_p50_s"] else None}
 
 
 async def preempted(server: Server) -> int:
@@ -225,7 +257,11 @@ def targets(r: dict) -> list[dict]:
          "met": not r["refused"] and not r["connect_errors"]},
         {"target": "every reply complete", "value": f"{r['complete']}/{r['guests']}",
          "met": r["complete"] == r["guests"]},
-        {"target": "0 preemptions", "value": r["preemptions"], "met": r["preemptions"] == 0}]
+        {"target": "0 preemptions", "value": r["preemptions"], "met": r["preemptions"] == 0},
+        *([{"target": "app/engine tok/s >= 0.9", "value": r["app_over_engine_tok_s"],
+            "met": (r["app_over_engine_tok_s"] or 0) >= 0.9},
+           {"target": "TTFT p50 <= 2x the engine path's", "value": r["ttft_p50_over_engine"],
+            "met": (r["ttft_p50_over_engine"] or 99) <= 2.0}] if "engine_path" in r else [])]
 
 
 def parse(argv=None):
@@ -239,6 +275,8 @@ def parse(argv=None):
     p.add_argument("--front-ends", type=int, default=0, help="default: the app's own")
     p.add_argument("--stand-in", action="store_true", help="the stand-in engine (CPU)")
     p.add_argument("--stand-in-tps", type=float, default=200.0)
+    p.add_argument("--engine-baseline", action="store_true",
+                   help="then the same load on the engine path (not with --stand-in)")
     p.add_argument("--name", default="room-cpu")
     return p.parse_args(argv)
 
