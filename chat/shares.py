@@ -1,6 +1,7 @@
 """Share links (store/shares.py keeps them), from the page's Export menu
 (public/export-menu.js):
 
+    GET    /share/allowed                whether the caller may make links ({"share": bool})
     POST   /share/chats/{chat id}        a link to one of the caller's chats, as it is now
     GET    /share/links                  the caller's live links (JSON)
     DELETE /share/links/{link id}        one of them revoked
@@ -66,6 +67,7 @@ class SharePages:
         self.router = APIRouter()
         if viewers == "off":
             return
+        self.router.add_api_route("/share/allowed", self.allowed, methods=["GET"])
         self.router.add_api_route("/share/chats/{thread_id}", self.create, methods=["POST"])
         self.router.add_api_route("/share/links", self.links, methods=["GET"])
         self.router.add_api_route("/share/links/{link_id}", self.revoke, methods=["DELETE"])
@@ -81,6 +83,10 @@ class SharePages:
             raise HTTPException(403, NOT_FROM_HERE)
         if is_guest(user) and not self.guests_share:
             raise HTTPException(403, GUESTS_MAY_NOT)
+
+    async def allowed(self, current_user=Depends(get_current_user)) -> dict:
+        """Whether the caller may make links (the page's menu offers them only then)."""
+        return {"share": not (is_guest(current_user) and not self.guests_share)}
 
     async def create(self, thread_id: str, request: Request,
                      current_user=Depends(get_current_user)) -> JSONResponse:

@@ -79,12 +79,21 @@
     }
     menu.append(link("All my chats as Markdown", "/export/chats?format=md"),
                 link("All my chats as JSON", "/export/chats?format=json"));
-    if (chat) menu.append(shareItem(chat));
+    document.body.appendChild(menu);
+    shareItems(menu, chat).then(() => adminItem(menu));  // in this order
+  }
+
+  // Share links, where this user may make them (chat/shares.py: none with sharing off,
+  // none for a demo's guests unless the operator allows it).
+  async function shareItems(menu, chat) {
+    const answer = await fetch(`${root}/share/allowed`, {credentials: "same-origin"})
+      .catch(() => null);
+    const allowed = answer && answer.ok ? await answer.json().catch(() => null) : null;
+    if (!allowed?.share || !menu.isConnected) return;
     const links = link("My share links", "/share");
     links.removeAttribute("download");
-    menu.append(links);
-    document.body.appendChild(menu);
-    adminItem(menu);
+    links.id = "share-links";
+    menu.append(...(chat ? [shareItem(chat)] : []), links);
   }
 
   // For an admin, the admin page (chat/admin.py; it checks the role itself).

@@ -158,7 +158,11 @@ async def test_a_guest_may_open_a_link_but_share_nothing_by_default(server):
         chat = (await http.post("/project/threads", json={"pagination": {"first": 5},
                                                           "filter": {}})).json()["data"][0]
         refused = await http.post(f"/share/chats/{chat['id']}")
+        # ... and the page's menu is told so (it offers no share items then).
+        assert (await http.get("/share/allowed")).json() == {"share": False}
     assert refused.status_code == 403 and "Guests" in refused.json()["detail"]
+    async with ann.api() as http:
+        assert (await http.get("/share/allowed")).json() == {"share": True}
 
 
 async def share_cap_holds(url: str) -> None:
@@ -215,8 +219,10 @@ async def test_who_may_open_a_link_is_a_setting(tmp_path, viewers):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://app") as http:
         answer = await http.get(f"/shared/{link.id}")
+        asked = await http.get("/share/allowed")  # (no login here: 401 while sharing is on)
     await engine.dispose()
     if viewers == "anyone":
         assert answer.status_code == 200 and "Shared by Ann" in answer.text
     else:
         assert answer.status_code == 404 and "Shared" not in answer.text
+        assert asked.status_code == 404  # the page's menu offers no share items

@@ -55,3 +55,8 @@ async def test_the_open_demo_sends_a_visitor_to_its_page_and_shows_its_banner(br
             assert "a demo run by the platform team" in await banner.inner_text()
             await watch_reply(visit, await send(visit, "Hello, demo"))
             await shot(visit, "demo-banner")
+            # A guest may not share (VCHAT_GUEST_SHARING off): the menu offers no links.
+            await page.click("#export-button")
+            await page.get_by_text("All my chats as JSON").wait_for()
+            await page.wait_for_load_state("networkidle")
+            assert await page.locator("#share-links, #share-chat").count() == 0
