@@ -36,19 +36,15 @@ import time
 import httpx
 
 from bench.app_clients import _answer
-from bench.reliability import device, save
-from chat.view import queued_notice
+from bench import replicas
+from bench.reliability import WAITING, device, save
 from tools.chainlit_client import ROOT, ChatClient, Server
 
-WAITING = queued_notice(1).split(":")[0]  # "Many people are chatting right now"
 READY_TIMEOUT_S, RUN_TIMEOUT_S = 600.0, 900.0
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+def percentile(values: list[float], q: float) -> float | None:
+    return replicas.percentile(values, q) if values else None
 
 
 async def join_and_connect(url: str, token: str, name: str, at: float) -> dict:

@@ -26,7 +26,7 @@ import html
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from urllib.parse import parse_qs
 
 from chainlit.auth.cookie import get_token_from_cookies
@@ -36,10 +36,10 @@ from starlette.responses import HTMLResponse
 from chat.charts import bars, stacked_columns
 from chat.invites import from_this_site
 from chat.logins import bearer, login_of
-from chat.shares import PAGE_HEADERS, STYLE
+from chat.shares import PAGE_HEADERS, STYLE, html_page
 from store.accounts import Account
 from store.operator import Operator, Secret, utc_minute
-from store.usage import Usage
+from store.usage import Thumb, Usage
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ class AdminPage:
         return await self._act(request, action, INVITE_ACTIONS, self._invite)
 
     async def _act(self, request: Request, action: str, actions: tuple[str, ...],
-                   do: Callable[[str, str, dict, Request], Awaitable[str | Secret]]) -> HTMLResponse:
+                   do: Callable[[str, str, dict, Request], Awaitable[str | Secret]]
+                   ) -> HTMLResponse:
         try:
             admin = await self._admin(request)
         except NotAdmin as refused:
@@ -206,15 +207,19 @@ class AdminPage:
             top = _secret_html(said)
         elif said:
             top = f'<p class=said role=status>{html.escape(said)}.</p>'
+        until = datetime.now(timezone.utc).date()
+        since = until - timedelta(days=days - 1)
+        thumbs = await self.usage.feedback(since, until)  # (the usage report's too)
+        names = _names(accounts)
         body = "".join([
             f"<h1>Admin</h1><p class=meta>Logged in as {html.escape(admin)} · "
             f'<a href="/">back to the chat</a></p>{top}',
             _engines_html(await self.state(request)),
-            await self._usage_html(accounts, days),
+            await self._usage_html(names, since, until, thumbs),
             self._accounts_html(request, accounts, admin, token),
             await self._invites_html(request, accounts, token),
-            await self._feedback_html(accounts, days)])
-        return HTMLResponse(_document("Admin", body), status_code=status, headers=HEADERS)
+            _feedback_html(names, days, thumbs)])
+        return html_page("Admin", body, status, ADMIN_STYLE, HEADERS)
 
     def _accounts_html(self, request: Request, accounts: list[Account], admin: str,
                        token: str) -> str:
@@ -290,10 +295,14 @@ class AdminPage:
             '<label>Profile <select name=profile><option value="">any</option>'
             f"{profiles}</select></label> <button>Create invite</button></p></form>")
 
-    async def _usage_html(self, accounts: list[Account], days: int) -> str:
-        until = datetime.now(timezone.utc).date()
-        since = until - timedelta(days=days - 1)
+    async def _usage_html(self, names: dict, since: date, until: date,
+                          thumbs: list[Thumb]) -> str:
+        days = (until - since).days + 1
         day_lines = await self.usage.days(since, until)
+        links = " · ".join(f'<a href="?days={n}">{n} days</a>' for n in (7, 14, 30, 90))
+        if not day_lines:
+            return (f"<h2>Usage</h2><p class=meta>The last {days} days (UTC) · {links}</p>"
+                    "<p>No turns in this period.</p>")
         columns = [(since + timedelta(days=n)).isoformat() for n in range(days)]
         profiles = sorted({d.profile for d in day_lines})
         tokens = {p: [0] * days for p in profiles}
@@ -302,20 +311,15 @@ class AdminPage:
             n = (datetime.fromisoformat(d.day).date() - since).days
             tokens[d.profile][n] = d.prompt_tokens + d.reply_tokens
             turns[d.profile][n] = f"{d.turns} turn(s)"
-        names = _names(accounts)
         per_account: dict[str, list[int]] = {}
         per_profile: dict[str, list[int]] = {}
-        for line in await self.usage.report(since, until):
+        for line in await self.usage.report(since, until, thumbs):
             for table, key in ((per_account, names.get(line.identifier, line.identifier)),
                                (per_profile, line.profile)):
                 row = table.setdefault(key or "(operator key)", [0, 0])
                 row[0] += line.prompt_tokens + line.reply_tokens
                 row[1] += line.turns
         ranked = sorted(per_account.items(), key=lambda kv: -kv[1][0])[:25]
-        links = " · ".join(f'<a href="?days={n}">{n} days</a>' for n in (7, 14, 30, 90))
-        if not day_lines:
-            return (f"<h2>Usage</h2><p class=meta>The last {days} days (UTC) · {links}</p>"
-                    "<p>No turns in this period.</p>")
         profile_rows = "".join(
             f"<tr><td>{html.escape(p)}</td><td class=num>{t:,}</td><td class=num>{n:,}</td>"
             "</tr>" for p, (t, n) in sorted(per_profile.items()))
@@ -328,24 +332,22 @@ class AdminPage:
             + "<h3>By profile</h3><table><tr><th>Profile</th><th>Tokens</th><th>Turns</th>"
             f"</tr>{profile_rows}</table>")
 
-    async def _feedback_html(self, accounts: list[Account], days: int) -> str:
-        until = datetime.now(timezone.utc).date()
-        thumbs = await self.usage.feedback(until - timedelta(days=days - 1), until)
-        names = _names(accounts)
-        rows = "".join(
-            f"<tr><td>{html.escape(t.at[:16])}</td>"
-            f"<td>{html.escape(names.get(t.identifier, t.identifier or '(API)'))}</td>"
-            f"<td>{html.escape(t.profile)}</td><td class={'ok' if t.thumbs == 'up' else 'bad'}>"
-            f"{'👍' if t.thumbs == 'up' else '👎'} {t.thumbs}</td>"
-            f"<td>{html.escape(t.comment or '')}</td><td><div class=reply>"
-            f"{html.escape(_cut(t.reply or ''))}</div></td></tr>"
-            for t in thumbs[:FEEDBACK_SHOWN])
-        up = sum(t.thumbs == "up" for t in thumbs)
-        return (f"<h2>Feedback</h2><p class=meta>{up} up, {len(thumbs) - up} down in the "
-                f"last {days} days" + (f"; the newest {FEEDBACK_SHOWN} shown" if
-                                       len(thumbs) > FEEDBACK_SHOWN else "") + "</p>"
-                + ("<table><tr><th>When (UTC)</th><th>Who</th><th>Profile</th><th>Rating</th>"
-                   f"<th>Comment</th><th>The reply</th></tr>{rows}</table>" if thumbs else ""))
+
+def _feedback_html(names: dict, days: int, thumbs: list[Thumb]) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(t.at[:16])}</td>"
+        f"<td>{html.escape(names.get(t.identifier, t.identifier or '(API)'))}</td>"
+        f"<td>{html.escape(t.profile)}</td><td class={'ok' if t.thumbs == 'up' else 'bad'}>"
+        f"{'👍' if t.thumbs == 'up' else '👎'} {t.thumbs}</td>"
+        f"<td>{html.escape(t.comment or '')}</td><td><div class=reply>"
+        f"{html.escape(_cut(t.reply or ''))}</div></td></tr>"
+        for t in thumbs[:FEEDBACK_SHOWN])
+    up = sum(t.thumbs == "up" for t in thumbs)
+    return (f"<h2>Feedback</h2><p class=meta>{up} up, {len(thumbs) - up} down in the "
+            f"last {days} days" + (f"; the newest {FEEDBACK_SHOWN} shown" if
+                                   len(thumbs) > FEEDBACK_SHOWN else "") + "</p>"
+            + ("<table><tr><th>When (UTC)</th><th>Who</th><th>Profile</th><th>Rating</th>"
+               f"<th>Comment</th><th>The reply</th></tr>{rows}</table>" if thumbs else ""))
 
 
 def _days(value: str | None) -> int:
@@ -418,14 +420,7 @@ def _engines_html(state: dict) -> str:
 
 def _refused(status: int) -> HTMLResponse:
     if status == 401:
-        return HTMLResponse(_document("Log in", '<h1>Log in first</h1><p><a href="/login">'
-                                      "Log in</a> with an admin account, then open this page "
-                                      "again.</p>"), status_code=401, headers=HEADERS)
-    return HTMLResponse(_document("Not found", "<h1>Not found</h1>"), status_code=404,
-                        headers=HEADERS)
-
-
-def _document(title: str, body: str) -> str:
-    return (f"<!doctype html><html lang=en><head><meta charset=utf-8><meta name=viewport "
-            f"content=\"width=device-width,initial-scale=1\"><title>{html.escape(title)}"
-            f"</title><style>{ADMIN_STYLE}</style></head><body>{body}</body></html>")
+        return html_page("Log in", '<h1>Log in first</h1><p><a href="/login">Log in</a> with '
+                         "an admin account, then open this page again.</p>", 401, ADMIN_STYLE,
+                         HEADERS)
+    return html_page("Not found", "<h1>Not found</h1>", 404, ADMIN_STYLE, HEADERS)

@@ -138,34 +138,36 @@ class SharePages:
             for link in await self.shares.of(current_user.identifier))
         body = (f"<table><tr><th>Chat</th><th>Shared (UTC)</th><th></th></tr>{rows}</table>"
                 if rows else "<p>You have no share links.</p>")
-        return _page("Your share links", "<h1>Your share links</h1><p class=meta>Each link "
-                     "shows its chat as it was when shared. Revoked, it shows nothing.</p>"
-                     + body)
+        return html_page("Your share links", "<h1>Your share links</h1><p class=meta>Each link "
+                         "shows its chat as it was when shared. Revoked, it shows nothing.</p>"
+                         + body)
 
     # -- a link opened -----------------------------------------------------------------
 
     async def show(self, link_id: str, request: Request) -> HTMLResponse:
         if self.viewers == "accounts" and await self.viewer(request) is None:
-            return _page("Log in to see this chat", "<h1>Log in to see this chat</h1><p>"
-                         "Chats shared here are for this site's users. <a href=\"/login\">"
-                         "Log in</a>, then open the link again.</p>", status=401)
+            return html_page("Log in to see this chat", "<h1>Log in to see this chat</h1><p>"
+                             "Chats shared here are for this site's users. <a href=\"/login\">"
+                             "Log in</a>, then open the link again.</p>", status=401)
         shared = await self.shares.shown(link_id) if LINK_ID.fullmatch(link_id) else None
         if shared is None:
-            return _page("No such link", f"<h1>No such link</h1><p>{NO_SUCH_LINK}</p>",
-                         status=404)
-        return _page(shared.title, _chat_html(shared))
+            return html_page("No such link", f"<h1>No such link</h1><p>{NO_SUCH_LINK}</p>",
+                             status=404)
+        return html_page(shared.title, _chat_html(shared))
 
 
 def _url(request: Request, link_id: str) -> str:
     return str(request.url_for("show", link_id=link_id))
 
 
-def _page(title: str, body: str, status: int = 200) -> HTMLResponse:
+def html_page(title: str, body: str, status: int = 200, style: str = STYLE,
+              headers: dict = PAGE_HEADERS) -> HTMLResponse:
+    """A page of the app's own that runs no script (also the admin page's, chat/admin.py)."""
     return HTMLResponse(
         f"<!doctype html><html lang=en><head><meta charset=utf-8><meta name=viewport "
         f"content=\"width=device-width,initial-scale=1\"><title>{html.escape(title)}</title>"
-        f"<style>{STYLE}</style></head><body>{body}</body></html>", status_code=status,
-        headers=PAGE_HEADERS)
+        f"<style>{style}</style></head><body>{body}</body></html>", status_code=status,
+        headers=headers)
 
 
 def _chat_html(shared: Shared) -> str:

@@ -158,12 +158,13 @@ class PresetEngine(Engine):
     def kv_bytes_per_token(self) -> int:
         """One token's keys and values over every layer, in the cache's type (Qwen3-4B in
         bfloat16: 36 layers x 8 KV heads x 128 x 2 x 2 bytes = 144 KiB)."""
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
         config = self._require().vllm_config
         model, parallel = config.model_config, config.parallel_config
-        dtype = self.cache_config.cache_dtype
-        size = model.dtype.itemsize if dtype == "auto" else (1 if "fp8" in dtype else 2)
+        dtype = kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, model)
         return (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                * model.get_head_size() * size)
+                * model.get_head_size() * dtype.itemsize)
 
     @property
     def kv_offload_gib(self) -> float:

@@ -29,7 +29,8 @@ from .config import Config, Profile
 from .decoding import Decoding, Piece
 from .errors import ChatError, ConfigError, Unavailable
 from .history import Prompt, check_fits, fit_history
-from .launch import EngineGroup, EngineSetup, Machine, engine_groups, group_setup, seats
+from .launch import (GIB, EngineGroup, EngineSetup, Machine, engine_groups, group_setup,
+                     seats)
 from .llm import PresetEngine
 from .model import resolve_model
 from .settings import setting
@@ -49,13 +50,12 @@ def capacity_line(name: str, kv_tokens: int, bytes_per_token: int | None, offloa
                   max_model_len: int | None, seats: dict[str, int]) -> str:
     """What an engine's KV cache holds, as the start-up log says it: tokens and bytes, what
     CPU memory adds for returning chats, full contexts and 2K-token turns at once, seats."""
-    gib = 1 << 30
-    per = f" ({bytes_per_token / 1024:,.0f} KiB a token, {kv_tokens * bytes_per_token / gib:,.1f}" \
+    per = f" ({bytes_per_token / 1024:,.0f} KiB a token, {kv_tokens * bytes_per_token / GIB:,.1f}" \
           " GiB)" if bytes_per_token else ""
     offload = ""
     if offload_gib and bytes_per_token:
         offload = (f", and {offload_gib:,.1f} GiB of CPU memory hold "
-                   f"{int(offload_gib * gib / bytes_per_token):,} more for returning chats")
+                   f"{int(offload_gib * GIB / bytes_per_token):,} more for returning chats")
     fits = [f"{kv_tokens // max_model_len:,} turns of the full {max_model_len:,}-token "
             "context"] if max_model_len else []
     if not max_model_len or max_model_len > 2048:

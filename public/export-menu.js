@@ -57,6 +57,12 @@
     return item;
   }
 
+  // A GET of this site's with the page's login, as JSON; null if it did not answer so.
+  async function getJson(path) {
+    const answer = await fetch(root + path, {credentials: "same-origin"}).catch(() => null);
+    return answer && answer.ok ? answer.json().catch(() => null) : null;
+  }
+
   function close() {
     document.getElementById("export-menu")?.remove();
   }
@@ -86,9 +92,7 @@
   // Share links, where this user may make them (chat/shares.py: none with sharing off,
   // none for a demo's guests unless the operator allows it).
   async function shareItems(menu, chat) {
-    const answer = await fetch(`${root}/share/allowed`, {credentials: "same-origin"})
-      .catch(() => null);
-    const allowed = answer && answer.ok ? await answer.json().catch(() => null) : null;
+    const allowed = await getJson("/share/allowed");
     if (!allowed?.share || !menu.isConnected) return;
     const links = link("My share links", "/share");
     links.removeAttribute("download");
@@ -98,8 +102,7 @@
 
   // For an admin, the admin page (chat/admin.py; it checks the role itself).
   async function adminItem(menu) {
-    const answer = await fetch(`${root}/user`, {credentials: "same-origin"}).catch(() => null);
-    const user = answer && answer.ok ? await answer.json().catch(() => null) : null;
+    const user = await getJson("/user");
     if (user?.metadata?.role !== "admin" || !menu.isConnected) return;
     const admin = link("Admin page", "/admin");
     admin.removeAttribute("download");

@@ -60,13 +60,13 @@ _DAYS = text(
 # the reply), an API client the reply itself.
 _FEEDBACK = text(
     'SELECT s."createdAt", t."userIdentifier", f."value", f."comment", f."threadId", '
-    's."metadata", (SELECT r."metadata" FROM steps r WHERE r."parentId" = s."id" '
-    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1), """
-    '(SELECT r."output" FROM steps r WHERE r."parentId" = s."id" '
-    """AND r."type" = 'assistant_message' ORDER BY r."createdAt" DESC LIMIT 1), """
+    's."metadata", r."metadata", r."output", '
     """CASE WHEN s."type" = 'assistant_message' THEN s."output" END """
     'FROM feedbacks f JOIN steps s ON s."id" = f."forId" '
     'JOIN threads t ON t."id" = f."threadId" '
+    # the run's reply (its last), where the rated step is a run
+    'LEFT JOIN steps r ON r."id" = (SELECT x."id" FROM steps x WHERE x."parentId" = s."id" '
+    """AND x."type" = 'assistant_message' ORDER BY x."createdAt" DESC LIMIT 1) """
     'WHERE s."createdAt" >= :since AND s."createdAt" < :before ORDER BY s."createdAt" DESC')
 
 FLUSH_S = 1.0  # the longest a finished turn's usage waits to be written
@@ -234,9 +234,10 @@ class Usage:
             if done.rowcount == 0:
                 raise AccountError(f"no user {identifier!r}")
 
-    async def report(self, since: date | None = None, until: date | None = None
-                     ) -> list[UsageLine]:
-        """Per account and profile, from `since` to `until` (UTC days, both included)."""
+    async def report(self, since: date | None = None, until: date | None = None,
+                     thumbs: list[Thumb] | None = None) -> list[UsageLine]:
+        """Per account and profile, from `since` to `until` (UTC days, both included);
+        `thumbs`: the period's feedback where the caller has it already."""
         lines: dict[tuple, dict] = {}
         async with self.engine.connect() as conn:
             for who, profile, turns, prompt, reply, stopped in (
@@ -244,7 +245,7 @@ class Usage:
                 lines[(who, profile)] = {"turns": turns, "prompt_tokens": int(prompt or 0),
                                          "reply_tokens": int(reply or 0),
                                          "stopped": int(stopped or 0)}
-        for thumb in await self.feedback(since, until):
+        for thumb in await self.feedback(since, until) if thumbs is None else thumbs:
             line = lines.setdefault((thumb.identifier, thumb.profile), {})
             key = f"thumbs_{thumb.thumbs}"
             line[key] = line.get(key, 0) + 1
