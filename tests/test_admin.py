@@ -184,6 +184,15 @@ async def test_users_guests_visitors_and_other_sites_get_nothing_and_change_noth
             crossed = await http.post("/admin/accounts/remove", headers=headers,
                                       data={**data, "name": "cal"})
             assert crossed.status_code == 403 and "this site's own admin page" in said(crossed)
+        # An oversized form, and a name made to break out of a statement: refused in
+        # words, and nothing removed (every statement binds its values).
+        big = await http.post("/admin/accounts/remove", headers={"origin": server.url},
+                              data={"token": token, "name": "cal", "pad": "x" * 10_000})
+        assert big.status_code == 400 and "larger than any" in said(big)
+        for name in ("cal' OR '1'='1", 'cal"; DELETE FROM accounts; --'):
+            injected = await http.post("/admin/accounts/remove", headers={"origin": server.url},
+                                       data={"token": token, "name": name})
+            assert injected.status_code == 400 and said(injected) == f"no user {name!r}"
         # The token of one login session does not work in another.
         async with admin.api() as other:
             theirs = await other.post("/admin/accounts/remove", headers={"origin": server.url},
