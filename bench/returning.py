@@ -83,9 +83,14 @@ async def run(args, offload_gib: float) -> dict:
         history = min(args.history, engine.max_model_len - args.message - args.reply - 8)
         others = args.others or math.ceil(1.3 * engine.kv_tokens / history)
         histories = [random_ids(history, rng) for _ in range(args.chats)]
+        # The native connector keeps every computed block in CPU memory, least recently
+        # used out first: the first chats stay there only if both sets fit in it.
+        offload_tokens = int(engine.kv_offload_gib * 2**30 / engine.kv_bytes_per_token) \
+            if engine.kv_bytes_per_token else 0
         figures = {"offload_gib": offload_gib, "kv_tokens": engine.kv_tokens,
-                   "kv_offload_gib": engine.kv_offload_gib, "history": history,
-                   "chats": args.chats, "others": others}
+                   "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": offload_tokens,
+                   "both_fit_in_cpu": (args.chats + others) * history <= offload_tokens,
+                   "history": history, "chats": args.chats, "others": others}
         print(json.dumps(figures), flush=True)
         await ask(llm, random_ids(64, rng), 4)  # sampling kernels
         preempted = engine.step_stats.preempted

@@ -156,8 +156,8 @@ case "$step" in
     [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
   room)  # bench.room: a room of guests joining by one invite link, all asking at once
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
-      python3 -m bench.room --name "${ROOM_NAME:-gpu-room}" "$@" > "$out/room.log" 2>&1
-    status=$?; tail -12 "$out/room.log"
+      python3 -m bench.room --name "${ROOM_NAME:-gpu-room}" "$@" > "$out/${ROOM_NAME:-gpu-room}.log" 2>&1
+    status=$?; tail -12 "$out/${ROOM_NAME:-gpu-room}.log"
     cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null; exit $status ;;
   reliability)  # bench.reliability: a front end, then the core, killed under load (shipped app)
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
