@@ -214,10 +214,12 @@ def ratios(r: dict) -> dict:
 
 def seats_of(ready: dict) -> int:
     """The seats of the line the guests' turns go to (Throughput-first's preset), as
-    /ready says: beyond them a guest waits, and should be told its place."""
-    return sum(preset.get("seats") or 0 for engine in (ready.get("engines") or {}).values()
-               for name, preset in (engine.get("presets") or {}).items()
-               if name == "throughput-first")
+    /ready says, times the front ends (each has its part of them): beyond them a guest
+    waits, and should be told its place."""
+    return (ready.get("front_end") or {}).get("count", 1) * sum(
+        preset.get("seats") or 0 for engine in (ready.get("engines") or {}).values()
+        for name, preset in (engine.get("presets") or {}).items()
+        if name == "throughput-first")
 
 
 async def preempted(server: Server) -> int:

@@ -117,7 +117,8 @@ def build(http, sio, chainlit_config) -> Parts:
     # The server's loop and asyncio's C tasks, before Chainlit starts it (service/loop.py).
     loop.own_loop(setting("VCHAT_EVENT_LOOP"))
     config = load_config()
-    engines = Engines(config)
+    front_end = front_ends.current()
+    engines = Engines(config, front_ends=front_end.count if front_end else 1)
     ignore_eos = setting("VCHAT_BENCH_IGNORE_EOS")  # benchmarks: replies run to max_tokens
     # At the CPU's pace until the engines know their device (app.py settle_after_start).
     pace = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)
@@ -155,7 +156,6 @@ def build(http, sio, chainlit_config) -> Parts:
                     setting("VCHAT_GUEST_ADDRESS_DAILY_TOKENS"),
                     setting("VCHAT_GUEST_TURNS_PER_MINUTE"),
                     setting("VCHAT_GUEST_ADDRESS_TURNS_PER_MINUTE"))
-    front_end = front_ends.current()
     # VCHAT_DEMO=open: anyone who opens the page chats as a guest, under a demo banner.
     demo = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY"),
                     setting("VCHAT_DEMO_GUESTS_PER_ADDRESS")) \

@@ -30,8 +30,9 @@ Latency-first turn finds room at once even when Throughput-first's turns fill th
 Seats are each preset's own (the engine runs the sum), so they are never taken from another.
 Every decision is taken in the same synchronous step as the seat (no await in between).
 
-With several front ends (launcher.py) each has its own `Admission`s, each counting
-its own turns against the whole engine; shares are then fair within each front end.
+With several front ends (launcher.py) each has its own `Admission`s, with its part of each
+preset's seats (engine/pool.py: together no more than the engine runs), each counting its
+own turns against the whole KV cache; shares are then fair within each front end.
 """
 
 from __future__ import annotations

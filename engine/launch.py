@@ -227,12 +227,23 @@ def offload_gib(setting: float | str, machine: Machine) -> float:
     return min(OFFLOAD_MOST_GIB, OFFLOAD_SHARE * machine.memory_gib)
 
 
-def memory_gib() -> float:
-    """This machine's memory in GiB (0 where it cannot be read)."""
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",  # v2; v1 below
+                 "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_gib(limits: tuple[str, ...] = CGROUP_LIMITS) -> float:
+    """This machine's memory in GiB, or its container's limit where lower (cgroup v2 or v1);
+    0 where it cannot be read."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0.0
+    for limit in limits:
+        try:
+            total = min(total, int(Path(limit).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max": no limit
+            continue
+    return total / GIB
 
 
 def compile_caches(env: Mapping[str, str]) -> dict[str, str]:

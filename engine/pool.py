@@ -93,8 +93,14 @@ class Engines:
     """Starts, routes to and stops the per-preset engines."""
 
     def __init__(self, config: Config,
-                 engine_class: Callable[[str, EngineSetup], Engine] | None = None):
+                 engine_class: Callable[[str, EngineSetup], Engine] | None = None,
+                 front_ends: int = 1):
         self.config = config
+        # Processes that share each engine's core (launcher.py), each with lines of its own:
+        # a preset's seats are split among them, so that all of them together seat no more
+        # turns than the engine runs at once, and the rest wait in a line that says their
+        # place (not in vLLM's, which says nothing).
+        self.front_ends = max(1, front_ends)
         self.engine_class = engine_class or engine_kind()
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, Engine] = {}
@@ -154,8 +160,9 @@ class Engines:
         line = Line(engine.kv_tokens, engine.block_size)
         seated = {}
         for preset in group.presets:
-            running = seated[preset.name] = seats(self.config, preset, machine.gpu) \
+            seated[preset.name] = seats(self.config, preset, machine.gpu) \
                 if group.shared else engine.max_num_seqs
+            running = max(1, seated[preset.name] // self.front_ends)  # this process's part
             replies = [p.sampling.max_tokens for p in self.config.profiles
                        if p.preset == preset.name]
             self.admission[preset.name] = Admission(
@@ -165,8 +172,11 @@ class Engines:
                 account_queued_share=preset.account_queued_share)
             self.engine_of[preset.name] = group.name
         if engine.kv_tokens:
-            log.info("%s", capacity_line(group.name, engine.kv_tokens, engine.kv_bytes_per_token,
-                                         engine.kv_offload_gib, engine.max_model_len, seated))
+            log.info("%s%s", capacity_line(group.name, engine.kv_tokens,
+                                           engine.kv_bytes_per_token, engine.kv_offload_gib,
+                                           engine.max_model_len, seated),
+                     f" (split among {self.front_ends} front ends)"
+                     if self.front_ends > 1 else "")
 
     async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
         """Before /ready: the profiles' sampling in batches up to the seats (on a GPU; on a

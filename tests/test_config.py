@@ -481,9 +481,8 @@ def test_kv_offloading_takes_a_share_of_a_gpu_machines_memory_unless_set(tmp_pat
     def config_from(data):
         return load_config(write(tmp_path, data), env={})
 
-    assert load_config(ROOT / "profiles.yaml", env={}).memory.cpu_offload_gib == 0  # shipped
-    config = load_config(write(tmp_path, mutated(
-        lambda data: data["memory"].update(cpu_offload_gib="auto"))), env={})
+    config = load_config(ROOT / "profiles.yaml", env={})
+    assert config.memory.cpu_offload_gib == "auto"  # shipped
     (group,) = engine_groups(config)
     big_host = Machine(gpu=True, cores=16, memory_gib=128.0)
     args = group_setup(config, group, "/m", big_host, env={}).args
@@ -510,6 +509,21 @@ def test_kv_offloading_takes_a_share_of_a_gpu_machines_memory_unless_set(tmp_pat
     raw["vllm"]["kv_offloading_size"] = 8
     with pytest.raises(ConfigError, match="memory:`'s cpu_offload_gib"):
         config_from(raw)
+
+
+def test_a_containers_memory_limit_is_the_machines_memory_for_auto(tmp_path):
+    """`auto` takes a share of the memory this process may use: a container's cgroup limit
+    where it is below the host's (else a 128 GiB host's share could exceed a 16 GiB
+    container), the host's where the limit says "max" or is absent."""
+    from engine.launch import memory_gib
+
+    host = memory_gib(limits=())
+    assert host > 0
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{2 * GIB}\n")
+    assert memory_gib(limits=(str(limit),)) == min(host, 2.0)
+    limit.write_text("max\n")
+    assert memory_gib(limits=(str(limit), str(tmp_path / "absent"))) == host
 
 
 def test_the_start_says_what_the_kv_cache_holds():

@@ -156,6 +156,35 @@ async def test_stop_ends_a_reply_in_whichever_front_end_holds_it(server):
     await c.close()
 
 
+async def test_the_engines_seats_are_split_so_those_beyond_them_are_told_their_place(server):
+    """Each front end has lines of its own: a preset's seats are split among them, so that
+    together they seat no more turns than the engine runs at once; the rest wait in the
+    app's line, told their place. (With every front end holding all the seats, the engine's
+    own line took them, and those users saw nothing while they waited: issue 59's room.)"""
+    from engine import load_config
+    from engine.launch import seats
+
+    config = load_config(env=dict(server.env))
+    engine_seats = seats(config, config.presets["latency-first"], gpu=False)
+    for health in (await answers(server)).values():
+        assert engine_of(health, "latency-first")["presets"]["latency-first"]["seats"] == \
+            max(1, engine_seats // COUNT)
+    users = engine_seats + 4
+    clients = [ChatClient(server.url, "Latency-first") for _ in range(users)]
+    await asyncio.gather(*[c.connect() for c in clients])
+    await asyncio.gather(*[c.settings(max_tokens=48) for c in clients])
+    starts = [len(c.events) for c in clients]
+    replies = await asyncio.gather(*[c.send(f"Tell me a story about the number {i}.")
+                                     for i, c in enumerate(clients)])
+    told = [any(e.name == "new_message" and str(e.data.get("output", "")).startswith(
+        "Many people are chatting right now") for e in c.events[start:])
+        for c, start in zip(clients, starts)]
+    assert all(r.shown for r in replies)  # every one answered in the end
+    # However the kernel spread them, at least those beyond the engine's seats were told.
+    assert sum(told) >= users - engine_seats, (sum(told), users, engine_seats)
+    await asyncio.gather(*[c.close() for c in clients])
+
+
 async def test_another_account_cannot_reach_a_chat_through_any_front_end(server):
     """A hostile user with an ordinary account presses a button of another account's chat,
     from connections that reach either front end, with and without a forged peer header:
