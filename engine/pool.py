@@ -56,7 +56,8 @@ def capacity_line(name: str, kv_tokens: int, bytes_per_token: int | None, offloa
     if offload_gib and bytes_per_token:
         offload = (f", and {offload_gib:,.1f} GiB of CPU memory hold "
                    f"{int(offload_gib * GIB / bytes_per_token):,} more for returning chats")
-    fits = [f"{kv_tokens // max_model_len:,} turns of the full {max_model_len:,}-token "
+    whole = kv_tokens // max_model_len if max_model_len else 0
+    fits = [f"{whole:,} turn{'' if whole == 1 else 's'} of the full {max_model_len:,}-token "
             "context"] if max_model_len else []
     if not max_model_len or max_model_len > 2048:
         fits.append(f"{kv_tokens // 2048:,} turns of 2,048 tokens")

@@ -481,8 +481,9 @@ def test_kv_offloading_takes_a_share_of_a_gpu_machines_memory_unless_set(tmp_pat
     def config_from(data):
         return load_config(write(tmp_path, data), env={})
 
-    config = load_config(ROOT / "profiles.yaml", env={})
-    assert config.memory.cpu_offload_gib == "auto"  # shipped
+    assert load_config(ROOT / "profiles.yaml", env={}).memory.cpu_offload_gib == 0  # shipped
+    config = load_config(write(tmp_path, mutated(
+        lambda data: data["memory"].update(cpu_offload_gib="auto"))), env={})
     (group,) = engine_groups(config)
     big_host = Machine(gpu=True, cores=16, memory_gib=128.0)
     args = group_setup(config, group, "/m", big_host, env={}).args
@@ -533,3 +534,5 @@ def test_the_start_says_what_the_kv_cache_holds():
     assert "32.0 GiB of CPU memory hold 233,016 more for returning chats" in line
     assert "3 turns of the full 262,144-token context or 416 turns of 2,048 tokens" in line
     assert line.endswith("seats: latency-first 64, throughput-first 256")
+    # The H100's own line (2026-12-07): one whole context, said as one.
+    assert "1 turn of the full" in capacity_line("shared", 455_792, 147_456, 0.0, 262_144, {})
