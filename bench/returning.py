@@ -41,10 +41,11 @@ PRIORITY = 1  # Throughput-first's class: a chat's turn as the app sends it
 PROFILES = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
-def profiles_with(offload_gib: float, gpu_memory_utilization: float | None) -> Path:
-    """The shipped profiles.yaml with this run's memory: section."""
+def profiles_with(offload_gib: float | str, gpu_memory_utilization: float | None) -> Path:
+    """The shipped profiles.yaml with this run's memory: section (GiB, or "auto")."""
     raw = yaml.safe_load(PROFILES.read_text())
-    raw["memory"]["cpu_offload_gib"] = offload_gib
+    raw["memory"]["cpu_offload_gib"] = offload_gib if offload_gib == "auto" \
+        else float(offload_gib)
     if gpu_memory_utilization is not None:
         raw["memory"]["gpu_memory_utilization"] = gpu_memory_utilization
     path = Path(tempfile.mkdtemp(prefix="returning-")) / "profiles.yaml"

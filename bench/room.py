@@ -14,10 +14,14 @@ The guests are spread over `--processes` client processes (as many browsers are)
 start each step together. On a CPU the stand-in engine (`--stand-in`) stands for the model:
 the join path and the app's line are measured, not a model. With `--engine-baseline`
 the same load then runs on the engine path (bench/paths.py), for app/engine tok/s and the
-TTFT p50 ratio.
+TTFT p50 ratio (the app's figures are saved first, should the engine path not finish);
+`--engine-seats N` holds it to N turns at once (the app's Throughput-first seats, for a
+like-for-like figure; by default vLLM's own line holds the rest). `--cpu-offload-gib`
+runs both with that KV offloading (profiles.yaml's memory.cpu_offload_gib).
 
     python -m bench.room --guests 1000 --join-over-s 30 --engine-baseline --name gpu-room
                                                              (GPU: dummy Qwen3-4B)
+    scripts/gpu_run.sh OUT room --front-ends 4 --cpu-offload-gib 0     (on the GPU machine)
     python -m bench.room --guests 200 --stand-in --name room-cpu            (CPU, a proxy)
 
 Writes bench/results/NAME.json with a `targets` list.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +41,7 @@ import time
 import httpx
 
 from bench.app_clients import _answer
+from bench.returning import profiles_with
 from bench import replicas
 from bench.reliability import WAITING, device, save
 from tools.chainlit_client import ROOT, ChatClient, Server
@@ -142,6 +148,9 @@ async def main(args) -> dict:
         env["VCHAT_FRONT_ENDS"] = str(args.front_ends)
     if args.stand_in:
         env.update(VCHAT_ENGINE="stand-in", VCHAT_STANDIN_TOKENS_PER_S=str(args.stand_in_tps))
+    if args.cpu_offload_gib is not None:  # the app and the engine path alike
+        os.environ["VCHAT_PROFILES"] = env["VCHAT_PROFILES"] = str(
+            profiles_with(args.cpu_offload_gib, None))
     server = Server(env)
     context = multiprocessing.get_context("spawn")
     procs, conns = [], []
@@ -179,10 +188,13 @@ async def main(args) -> dict:
             if proc.is_alive():
                 proc.kill()
         server.stop()
+    result["cpu_offload_gib"] = args.cpu_offload_gib
+    result["targets"] = targets(result)
     if args.engine_baseline and not args.stand_in:
+        save(result, args.name)  # the app's figures kept, should the engine path not finish
         result["engine_path"] = await engine_path(args)
         result.update(ratios(result))
-    result["targets"] = targets(result)
+        result["targets"] = targets(result)
     return result
 
 
@@ -197,11 +209,13 @@ async def engine_path(args) -> dict:
     await pool.start()
     try:
         (engine,) = pool.engines.values()
-        out = await run_engine(engine, chat(args.guests, args.output_len), args.guests)
+        out = await run_engine(engine, chat(args.guests, args.output_len),
+                               args.engine_seats or args.guests)
     finally:
         pool.shutdown()
     return {"tok_s": out["tok_s"], "ttft_p50_s": out["ttft_ms"]["p50"] / 1000,
-            "completed": out["completed"], "engine": out.get("engine")}
+            "completed": out["completed"], "at_once": args.engine_seats or args.guests,
+            "engine": out.get("engine")}
 
 
 def ratios(r: dict) -> dict:
@@ -222,9 +236,18 @@ def seats_of(ready: dict) -> int:
         if name == "throughput-first")
 
 
-async def preempted(server: Server) -> int:
-    engines = (await server.get("/ready")).get("engines") or {}
-    return sum(e.get("preempted") or 0 for e in engines.values())
+async def preempted(server: Server, tries: int = 200) -> int:
+    """vLLM's preemptions, every front end's /ready together: the engine core sends its
+    step statistics to one of its clients, so one front end's answer may hold none."""
+    seen: dict[int, int] = {}
+    for _ in range(tries):  # each GET a new connection: whichever front end the kernel picks
+        ready = await server.get("/ready")
+        front = ready.get("front_end") or {"index": 0, "count": 1}
+        seen[front["index"]] = sum(e.get("preempted") or 0
+                                   for e in (ready.get("engines") or {}).values())
+        if len(seen) == front["count"]:
+            break
+    return sum(seen.values())
 
 
 def figures(args, joins: list[dict], asks: list[dict], joined_s: float) -> dict:
@@ -286,6 +309,13 @@ def parse(argv=None):
     p.add_argument("--stand-in-tps", type=float, default=200.0)
     p.add_argument("--engine-baseline", action="store_true",
                    help="then the same load on the engine path (not with --stand-in)")
+    p.add_argument("--engine-seats", type=int, default=0,
+                   help="the engine path's turns at once (default: all: vLLM's own line "
+                        "holds the rest; the app's Throughput-first seats for a like-for-like "
+                        "figure)")
+    p.add_argument("--cpu-offload-gib", default=None,
+                   help="profiles.yaml's memory.cpu_offload_gib for this run (GiB or auto; "
+                        "default: the file's)")
     p.add_argument("--name", default="room-cpu")
     return p.parse_args(argv)
 
