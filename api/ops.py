@@ -75,6 +75,7 @@ class Ops:
             statuses = {str(front.index): health["status"]}
             for index, answer in (await front.ask_peers("/ready")).items():
                 statuses[str(index)] = _status_in(answer)
+                _fold(health, answer)
             health["front_ends"] = statuses
             if health["status"] == "ok":
                 health["status"] = next((s for s in statuses.values() if s != "ok"), "ok")
@@ -97,6 +98,37 @@ class Ops:
             if answer and answer[0] == 200:
                 texts[index] = answer[1]
         return Response(labelled(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+# Each front end counts its own turns in its lines (its part of the seats), and vLLM sends
+# each step's statistics to one of the front ends only: the app's figures are their sums.
+SUMMED = ("admitted", "queued", "max_admitted", "max_queued", "kv_held", "steps",
+          "preempted", "unfinished_requests")
+PRESET_SUMMED = ("admitted", "queued", "seats", "max_queued", "kv_held")
+
+
+def _fold(health: dict, answer: tuple[int, str] | None) -> None:
+    """A peer's engine figures added into this front end's /ready (`front_ends_counted`:
+    how many front ends' figures it holds)."""
+    try:
+        theirs = json.loads(answer[1])["engines"] if answer else None
+    except (ValueError, KeyError, TypeError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        return
+    for name, engine in health["engines"].items():
+        other = theirs.get(name) or {}
+        for key in SUMMED:
+            if isinstance(other.get(key), int) and isinstance(engine.get(key), int):
+                engine[key] += other[key]
+        if isinstance(other.get("peak_running"), int):
+            engine["peak_running"] = max(engine.get("peak_running") or 0, other["peak_running"])
+        for preset, line in (engine.get("presets") or {}).items():
+            their_line = (other.get("presets") or {}).get(preset) or {}
+            for key in PRESET_SUMMED:
+                if isinstance(their_line.get(key), int) and isinstance(line.get(key), int):
+                    line[key] += their_line[key]
+        engine["front_ends_counted"] = engine.get("front_ends_counted", 1) + 1
 
 
 def _status_in(answer: tuple[int, str] | None) -> str:

@@ -227,27 +227,18 @@ def ratios(r: dict) -> dict:
 
 
 def seats_of(ready: dict) -> int:
-    """The seats of the line the guests' turns go to (Throughput-first's preset), as
-    /ready says, times the front ends (each has its part of them): beyond them a guest
-    waits, and should be told its place."""
-    return (ready.get("front_end") or {}).get("count", 1) * sum(
-        preset.get("seats") or 0 for engine in (ready.get("engines") or {}).values()
-        for name, preset in (engine.get("presets") or {}).items()
-        if name == "throughput-first")
+    """The seats of the line the guests' turns go to (Throughput-first's preset), every
+    front end's together as /ready says them: beyond them a guest waits, and should be
+    told its place."""
+    return sum(preset.get("seats") or 0 for engine in (ready.get("engines") or {}).values()
+               for name, preset in (engine.get("presets") or {}).items()
+               if name == "throughput-first")
 
 
-async def preempted(server: Server, tries: int = 200) -> int:
-    """vLLM's preemptions, every front end's /ready together: the engine core sends its
-    step statistics to one of its clients, so one front end's answer may hold none."""
-    seen: dict[int, int] = {}
-    for _ in range(tries):  # each GET a new connection: whichever front end the kernel picks
-        ready = await server.get("/ready")
-        front = ready.get("front_end") or {"index": 0, "count": 1}
-        seen[front["index"]] = sum(e.get("preempted") or 0
-                                   for e in (ready.get("engines") or {}).values())
-        if len(seen) == front["count"]:
-            break
-    return sum(seen.values())
+async def preempted(server: Server) -> int:
+    """vLLM's preemptions (/ready: every front end's together)."""
+    engines = (await server.get("/ready")).get("engines") or {}
+    return sum(e.get("preempted") or 0 for e in engines.values())
 
 
 def figures(args, joins: list[dict], asks: list[dict], joined_s: float) -> dict:

@@ -166,9 +166,10 @@ async def test_the_engines_seats_are_split_so_those_beyond_them_are_told_their_p
 
     config = load_config(env=dict(server.env))
     engine_seats = seats(config, config.presets["latency-first"], gpu=False)
-    for health in (await answers(server)).values():
-        assert engine_of(health, "latency-first")["presets"]["latency-first"]["seats"] == \
-            max(1, engine_seats // COUNT)
+    for health in (await answers(server)).values():  # every front end's figures together
+        engine = engine_of(health, "latency-first")
+        assert engine["front_ends_counted"] == COUNT
+        assert engine["presets"]["latency-first"]["seats"] == COUNT * (engine_seats // COUNT)
     users = engine_seats + 4
     clients = [ChatClient(server.url, "Latency-first") for _ in range(users)]
     await asyncio.gather(*[c.connect() for c in clients])
@@ -183,6 +184,34 @@ async def test_the_engines_seats_are_split_so_those_beyond_them_are_told_their_p
     # However the kernel spread them, at least those beyond the engine's seats were told.
     assert sum(told) >= users - engine_seats, (sum(told), users, engine_seats)
     await asyncio.gather(*[c.close() for c in clients])
+
+
+def test_ready_adds_up_every_front_ends_engine_figures():
+    """/ready's engine figures are the app's: each front end's lines hold its own turns and
+    its part of the seats, and vLLM sends each step's statistics to one front end only, so
+    the one answering adds its peers' in (peak_running: the highest); an answer it cannot
+    read adds nothing."""
+    import json as json_
+    from api.ops import _fold
+
+    def engine(admitted, seats, preempted, peak):
+        return {"admitted": admitted, "queued": 1, "max_admitted": seats, "max_queued": 8,
+                "kv_held": 100, "steps": 10, "preempted": preempted, "peak_running": peak,
+                "unfinished_requests": admitted, "healthy": True,
+                "presets": {"throughput-first": {"admitted": admitted, "queued": 1,
+                                                 "seats": seats, "max_queued": 8,
+                                                 "kv_held": 100, "priority": 1}}}
+
+    health = {"engines": {"shared": engine(3, 64, 0, 40)}}
+    peer = (200, json_.dumps({"engines": {"shared": engine(5, 64, 2, 70)}}))
+    _fold(health, peer)
+    for bad in (None, (503, "not json"), (200, "[]"), (200, '{"engines": 7}')):
+        _fold(health, bad)
+    shared = health["engines"]["shared"]
+    assert (shared["admitted"], shared["max_admitted"], shared["preempted"], shared["steps"],
+            shared["peak_running"], shared["front_ends_counted"]) == (8, 128, 2, 20, 70, 2)
+    line = shared["presets"]["throughput-first"]
+    assert (line["seats"], line["admitted"], line["queued"], line["priority"]) == (128, 8, 2, 1)
 
 
 async def test_another_account_cannot_reach_a_chat_through_any_front_end(server):

@@ -155,13 +155,22 @@ async def send(visit: Visit, text: str | None) -> int:
     before, asked = await page.locator(ASSISTANT).count(), await page.locator(USER).count()
     if text is not None:
         await page.fill("#chat-input", text)
+    sent = f"n => document.querySelectorAll('{USER}').length > n"
     await page.press("#chat-input", "Enter")
     try:  # the message is on the page: sent
-        await page.wait_for_function(f"n => document.querySelectorAll('{USER}').length > n",
-                                     arg=asked, timeout=30_000)
+        await page.wait_for_function(sent, arg=asked, timeout=10_000)
     except Exception:
-        await shot(visit, "not-sent")
-        raise
+        # Right after a page's first load, Enter was once taken while the composer was not
+        # yet listening (the words stayed in the box, unsent: 1 fresh-clone run in ~6). A
+        # person presses it again; so does the test, only while the words are still there.
+        left = await page.locator("#chat-input").evaluate("e => e.value ?? e.innerText")
+        if text is not None and left.strip() == text.strip():
+            await page.press("#chat-input", "Enter")
+        try:
+            await page.wait_for_function(sent, arg=asked, timeout=30_000)
+        except Exception:
+            await shot(visit, "not-sent")
+            raise
     return before
 
 
