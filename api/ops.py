@@ -74,8 +74,10 @@ class Ops:
                 request.headers.get(PEER_HEADER)):  # ready when every front end is
             statuses = {str(front.index): health["status"]}
             for index, answer in (await front.ask_peers("/ready")).items():
-                statuses[str(index)] = _status_in(answer)
-                _fold(health, answer)
+                theirs = _parsed(answer)
+                statuses[str(index)] = "unreachable" if answer is None else \
+                    str((theirs or {}).get("status", "unknown"))
+                _fold(health, theirs)
             health["front_ends"] = statuses
             if health["status"] == "ok":
                 health["status"] = next((s for s in statuses.values() if s != "ok"), "ok")
@@ -107,38 +109,35 @@ SUMMED = ("admitted", "queued", "max_admitted", "max_queued", "kv_held", "steps"
 PRESET_SUMMED = ("admitted", "queued", "seats", "max_queued", "kv_held")
 
 
-def _fold(health: dict, answer: tuple[int, str] | None) -> None:
-    """A peer's engine figures added into this front end's /ready (`front_ends_counted`:
-    how many front ends' figures it holds)."""
+def _parsed(answer: tuple[int, str] | None) -> dict | None:
+    """A peer's /ready answer as JSON (None: no answer, or none that reads as an object)."""
     try:
-        theirs = json.loads(answer[1])["engines"] if answer else None
-    except (ValueError, KeyError, TypeError):
-        theirs = None
-    if not isinstance(theirs, dict):
+        data = json.loads(answer[1]) if answer else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _add(mine: dict, theirs: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if isinstance(theirs.get(key), int) and isinstance(mine.get(key), int):
+            mine[key] += theirs[key]
+
+
+def _fold(health: dict, theirs: dict | None) -> None:
+    """A peer's engine figures (its parsed /ready) added into this front end's
+    (`front_ends_counted`: how many front ends' figures it holds)."""
+    engines = (theirs or {}).get("engines")
+    if not isinstance(engines, dict):
         return
     for name, engine in health["engines"].items():
-        other = theirs.get(name) or {}
-        for key in SUMMED:
-            if isinstance(other.get(key), int) and isinstance(engine.get(key), int):
-                engine[key] += other[key]
+        other = engines.get(name) or {}
+        _add(engine, other, SUMMED)
         if isinstance(other.get("peak_running"), int):
             engine["peak_running"] = max(engine.get("peak_running") or 0, other["peak_running"])
         for preset, line in (engine.get("presets") or {}).items():
-            their_line = (other.get("presets") or {}).get(preset) or {}
-            for key in PRESET_SUMMED:
-                if isinstance(their_line.get(key), int) and isinstance(line.get(key), int):
-                    line[key] += their_line[key]
+            _add(line, (other.get("presets") or {}).get(preset) or {}, PRESET_SUMMED)
         engine["front_ends_counted"] = engine.get("front_ends_counted", 1) + 1
-
-
-def _status_in(answer: tuple[int, str] | None) -> str:
-    """A peer's /ready status, from its answer."""
-    if answer is None:
-        return "unreachable"
-    try:
-        return str(json.loads(answer[1]).get("status", "unknown"))
-    except (ValueError, AttributeError):
-        return "unknown"
 
 
 def labelled(texts: dict[int, str]) -> bytes:

@@ -73,6 +73,7 @@ async def ask(llm, ids: list[int], reply: int) -> dict:
 
 async def run(args, offload_gib: float) -> dict:
     from engine import Engines, load_config
+    from engine.pool import offload_tokens
 
     os.environ["VCHAT_PROFILES"] = str(profiles_with(offload_gib, args.gpu_memory_utilization))
     pool = Engines(load_config())
@@ -86,11 +87,10 @@ async def run(args, offload_gib: float) -> dict:
         histories = [random_ids(history, rng) for _ in range(args.chats)]
         # The native connector keeps every computed block in CPU memory, least recently
         # used out first: the first chats stay there only if both sets fit in it.
-        offload_tokens = int(engine.kv_offload_gib * 2**30 / engine.kv_bytes_per_token) \
-            if engine.kv_bytes_per_token else 0
+        held = offload_tokens(engine.kv_offload_gib, engine.kv_bytes_per_token)
         figures = {"offload_gib": offload_gib, "kv_tokens": engine.kv_tokens,
-                   "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": offload_tokens,
-                   "both_fit_in_cpu": (args.chats + others) * history <= offload_tokens,
+                   "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": held,
+                   "both_fit_in_cpu": (args.chats + others) * history <= held,
                    "history": history, "chats": args.chats, "others": others}
         print(json.dumps(figures), flush=True)
         await ask(llm, random_ids(64, rng), 4)  # sampling kernels

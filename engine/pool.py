@@ -46,6 +46,11 @@ RESTARTING = ("The model for this chat stopped unexpectedly and is being restart
               "send your message again in a minute.")
 
 
+def offload_tokens(offload_gib: float, bytes_per_token: int | None) -> int:
+    """The tokens' KV that `offload_gib` of CPU memory holds (0 where the size is unknown)."""
+    return int(offload_gib * GIB / bytes_per_token) if bytes_per_token else 0
+
+
 def capacity_line(name: str, kv_tokens: int, bytes_per_token: int | None, offload_gib: float,
                   max_model_len: int | None, seats: dict[str, int]) -> str:
     """What an engine's KV cache holds, as the start-up log says it: tokens and bytes, what
@@ -55,7 +60,8 @@ def capacity_line(name: str, kv_tokens: int, bytes_per_token: int | None, offloa
     offload = ""
     if offload_gib and bytes_per_token:
         offload = (f", and {offload_gib:,.1f} GiB of CPU memory hold "
-                   f"{int(offload_gib * GIB / bytes_per_token):,} more for returning chats")
+                   f"{offload_tokens(offload_gib, bytes_per_token):,} more for returning "
+                   "chats")
     whole = kv_tokens // max_model_len if max_model_len else 0
     fits = [f"{whole:,} turn{'' if whole == 1 else 's'} of the full {max_model_len:,}-token "
             "context"] if max_model_len else []

@@ -192,7 +192,7 @@ def test_ready_adds_up_every_front_ends_engine_figures():
     the one answering adds its peers' in (peak_running: the highest); an answer it cannot
     read adds nothing."""
     import json as json_
-    from api.ops import _fold
+    from api.ops import _fold, _parsed
 
     def engine(admitted, seats, preempted, peak):
         return {"admitted": admitted, "queued": 1, "max_admitted": seats, "max_queued": 8,
@@ -204,9 +204,9 @@ def test_ready_adds_up_every_front_ends_engine_figures():
 
     health = {"engines": {"shared": engine(3, 64, 0, 40)}}
     peer = (200, json_.dumps({"engines": {"shared": engine(5, 64, 2, 70)}}))
-    _fold(health, peer)
+    _fold(health, _parsed(peer))
     for bad in (None, (503, "not json"), (200, "[]"), (200, '{"engines": 7}')):
-        _fold(health, bad)
+        _fold(health, _parsed(bad))
     shared = health["engines"]["shared"]
     assert (shared["admitted"], shared["max_admitted"], shared["preempted"], shared["steps"],
             shared["peak_running"], shared["front_ends_counted"]) == (8, 128, 2, 20, 70, 2)
