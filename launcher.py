@@ -30,8 +30,9 @@ within RESTART_WINDOW_S, or a core that cannot start again, ends them all, with 
 for the supervisor (systemd, Docker) to start the app again.
 
 Every front end shares the data folder's database and its login secret, as replicas do
-(deploy/); a front end's admission counts its own turns against the whole engine (the
-engine's scheduler queues beyond its seats); /ready and /metrics answer for every front end
+(deploy/); each front end has lines of its own with a part of each preset's seats, and
+takes those another leaves free (engine/seats.py: the front ends count seats and KV cache
+together, in a file of the run's folder); /ready and /metrics answer for every front end
 (api/ops.py).
 """
 

@@ -5,6 +5,7 @@ Chainlit's socket protocol with headless clients, exactly as browsers would.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from bench.metrics import RequestTiming, summarize
@@ -33,9 +34,13 @@ def engine_view(engine: PresetEngine) -> dict:
 
 
 async def drive_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
-                       progress=None) -> tuple[list[RequestTiming], float]:
+                       progress=None, from_arrival: bool = False
+                       ) -> tuple[list[RequestTiming], float]:
     """`concurrency` users at once, each taking the next request when its turn ends.
-    Returns the per-request timings and the wall time."""
+    Returns the per-request timings and the wall time. `from_arrival`: each request's
+    times count from its arrival (the run's start plus its delay), its wait for one of the
+    `concurrency` seats included, as a user who asked then would count them; otherwise from
+    when it was sent."""
     queue = list(reversed(requests))
     timings: list[RequestTiming] = []
     # Every run starts as new conversations would: prompts an earlier run sent (a repeat, or
@@ -46,7 +51,7 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
         while queue:
             req = queue.pop()
             await arrive(req, started)
-            t = RequestTiming(sent=time.monotonic())
+            t = RequestTiming(sent=started + req.delay_s if from_arrival else time.monotonic())
             timings.append(t)
             async for item in engine.stream(one_message(engine, req.prompt, req.output_len),
                                             ignore_eos=True, **SAMPLING):
@@ -106,9 +111,10 @@ async def run_raw(engine: PresetEngine, requests: list[Request], concurrency: in
 
 
 async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
-                     progress=None) -> dict:
+                     progress=None, from_arrival: bool = False) -> dict:
     """One run on the engine path: its metrics and the scheduler's view of it."""
-    return await _measured(drive_engine, engine, requests, concurrency, progress)
+    return await _measured(functools.partial(drive_engine, from_arrival=from_arrival), engine,
+                           requests, concurrency, progress)
 
 
 async def _measured(drive, engine: PresetEngine, requests: list[Request], concurrency: int,

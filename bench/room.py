@@ -209,8 +209,10 @@ async def engine_path(args) -> dict:
     await pool.start()
     try:
         (engine,) = pool.engines.values()
+        # Every guest asks at once: held to fewer seats, a turn's TTFT counts its wait for
+        # one, as the app's guests' do.
         out = await run_engine(engine, chat(args.guests, args.output_len),
-                               args.engine_seats or args.guests)
+                               args.engine_seats or args.guests, from_arrival=True)
     finally:
         pool.shutdown()
     return {"tok_s": out["tok_s"], "ttft_p50_s": out["ttft_ms"]["p50"] / 1000,

@@ -118,7 +118,9 @@ def build(http, sio, chainlit_config) -> Parts:
     loop.own_loop(setting("VCHAT_EVENT_LOOP"))
     config = load_config()
     front_end = front_ends.current()
-    engines = Engines(config, front_ends=front_end.count if front_end else 1)
+    engines = Engines(config, front_ends=front_end.count if front_end else 1,
+                      front_end=front_end.index if front_end else 0,
+                      folder=front_end.folder if front_end else None)
     ignore_eos = setting("VCHAT_BENCH_IGNORE_EOS")  # benchmarks: replies run to max_tokens
     # At the CPU's pace until the engines know their device (app.py settle_after_start).
     pace = Pace.starting_at(setting("VCHAT_STREAM_INTERVAL_MS") / 1000)

@@ -30,9 +30,12 @@ Latency-first turn finds room at once even when Throughput-first's turns fill th
 Seats are each preset's own (the engine runs the sum), so they are never taken from another.
 Every decision is taken in the same synchronous step as the seat (no await in between).
 
-With several front ends (launcher.py) each has its own `Admission`s, with its part of each
-preset's seats (engine/pool.py: together no more than the engine runs), each counting its
-own turns against the whole KV cache; shares are then fair within each front end.
+With several front ends (launcher.py) each has its own `Admission`s with its part of each
+preset's seats (engine/pool.py), and takes a seat another front end leaves free while none
+of theirs waits for its own part (engine/seats.py: the seats and the KV cache every front
+end's turns hold are counted together, the decision under one lock, so together they never
+seat more than the preset's seats nor hold more than the cache). Shares and places are fair
+within each front end.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
 from .errors import Busy
+from .seats import POLL_S, SharedSeats
 
 
 class _Waiter:
@@ -59,15 +63,37 @@ class Line:
     """One engine's KV cache (`kv_tokens`; None: not counted here, as for a remote server),
     shared by the presets' `Admission`s that run on it."""
 
-    def __init__(self, kv_tokens: int | None = None, block_size: int = 1):
+    def __init__(self, kv_tokens: int | None = None, block_size: int = 1,
+                 shared: SharedSeats | None = None):
         self.kv_tokens = kv_tokens
         self.block_size = max(1, block_size)
         self.classes: list[Admission] = []  # by priority, highest first
+        self.shared = shared  # the other front ends' figures on this engine, if any
+        self._poller: asyncio.Task | None = None
 
     @property
     def held(self) -> int:
-        """Tokens the turns inside hold, every class's together."""
+        """Tokens the turns inside hold, every class's together (this front end's)."""
         return sum(g.held for g in self.classes)
+
+    def held_everywhere(self) -> int:
+        """And every other front end's on this engine."""
+        return self.held + (self.shared.others_held() if self.shared else 0)
+
+    def locked(self):
+        """The other front ends' figures held still while a seat is decided and taken."""
+        return self.shared.locked() if self.shared else contextlib.nullcontext()
+
+    def watch(self) -> None:
+        """While turns wait here, look now and then for seats another front end left free
+        (its turns ending wake only its own waiters)."""
+        if self.shared is not None and (self._poller is None or self._poller.done()):
+            self._poller = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        while any(g.waiting for g in self.classes):
+            await asyncio.sleep(POLL_S)
+            self.admit()
 
     def need(self, tokens: int) -> int:
         """A turn's worst case in the cache, in tokens of whole blocks (0 when not counted)."""
@@ -89,24 +115,27 @@ class Line:
 
     def fits(self, gate: "Admission", tokens: int) -> bool:
         cap = self.cap_for(gate)
-        if cap is None or self.held == 0:  # a turn alone always goes in (vLLM checked that
-            return True                    # the context fits the cache at start)
-        return self.held + tokens <= cap
+        if cap is None:
+            return True
+        held = self.held_everywhere()
+        return held == 0 or held + tokens <= cap  # a turn alone always goes in (vLLM checked
+                                                  # that the context fits the cache at start)
 
     def admit(self) -> None:
         """Let in every waiter that now fits, highest class first, each class's in its fair
         order; a class whose next turn waits for cache holds back the classes below it (one
         whose next waits for its account's share does not). Then the waiters are told."""
         try:
-            for gate in self.classes:
-                while gate.inside < gate.running:
-                    waiter = gate._next()
-                    if waiter is None:
-                        break
-                    if not self.fits(gate, waiter.tokens):
-                        return
-                    gate._take(waiter)
-                    waiter.admitted.set_result(None)
+            with self.locked():
+                for gate in self.classes:
+                    while gate._has_seat():
+                        waiter = gate._next()
+                        if waiter is None:
+                            break
+                        if not self.fits(gate, waiter.tokens):
+                            return
+                        gate._take(waiter)
+                        waiter.admitted.set_result(None)
         finally:
             for gate in self.classes:
                 gate._tell_moved()
@@ -115,8 +144,11 @@ class Line:
 class Admission:
     def __init__(self, running: int, queued: int, *, line: Line | None = None,
                  priority: int = 0, keep_tokens: int = 0, account_share: float = 1.0,
-                 account_queued_share: float = 1.0):
+                 account_queued_share: float = 1.0, name: str = "", whole: int | None = None):
+        # `running`: this front end's own seats; `whole`: every front end's together, when
+        # the line's engine is shared with others (`line.shared`), under the preset's `name`.
         self.running, self.queued = running, queued
+        self.name, self.whole = name, whole or running
         self.priority, self.keep_tokens = priority, keep_tokens
         # The most seats, and places in a full line, one account keeps beside others'.
         self.account_seats = max(1, int(account_share * running))
@@ -153,20 +185,40 @@ class Admission:
         """
         need = self.line.need(tokens)
         waiter = _Waiter(asyncio.get_running_loop(), need, who, next(self._arrivals))
-        self._add(waiter)  # to ask whether it is next: one step, no await before it goes in
-        if self.inside < self.running and self._next() is waiter \
-                and not self._held_back() and self.line.fits(self, need):
-            self._take(waiter)
-        else:
+        with self.line.locked():  # to ask whether it is next: one step, no await before it
+            self._add(waiter)     # goes in
+            taken = self._has_seat() and self._next() is waiter \
+                and not self._held_back() and self.line.fits(self, need)
+            if taken:
+                self._take(waiter)
+        if not taken:
             await self._wait(waiter, on_queued)
         try:
             yield
         finally:
             self._leave(who, need)
 
+    def _has_seat(self) -> bool:
+        """Whether a seat is free for this front end's next turn: one of its own, or one
+        another front end leaves free while none of theirs waits for its own part; never
+        beyond the preset's seats (every front end's turns inside together)."""
+        shared = self.line.shared
+        if shared is None:
+            return self.inside < self.running
+        others = shared.others(self.name)
+        if self.inside + sum(o.inside for o in others) >= self.whole:
+            return False
+        return self.inside < self.running or not any(
+            o.waiting and o.inside < self.running for o in others)
+
+    def _publish(self) -> None:
+        if self.line.shared is not None:
+            self.line.shared.publish(self.name, self.inside, self.held, self.waiting)
+
     def _add(self, waiter: _Waiter) -> None:
         self._lines.setdefault(waiter.who, collections.deque()).append(waiter)
         self.waiting += 1
+        self._publish()
 
     def _remove(self, waiter: _Waiter) -> None:
         line = self._lines[waiter.who]
@@ -174,6 +226,7 @@ class Admission:
         if not line:
             del self._lines[waiter.who]
         self.waiting -= 1
+        self._publish()
         self._moved()
 
     def _next(self) -> _Waiter | None:
@@ -192,7 +245,7 @@ class Admission:
     def _held_back(self) -> bool:
         """A higher class's turn waits for cache (not for a seat of its own, nor for its
         account's share): this one may not go before it."""
-        return any(g.inside < g.running and g._next() is not None
+        return any(g._has_seat() and g._next() is not None
                    for g in self.line.classes if g.priority < self.priority)
 
     def _take(self, waiter: _Waiter) -> None:
@@ -200,6 +253,7 @@ class Admission:
         self.inside += 1
         self._inside[waiter.who] += 1
         self.held += waiter.tokens
+        self._publish()
 
     def _leave(self, who: Hashable, need: int) -> None:
         self.inside -= 1
@@ -207,6 +261,7 @@ class Admission:
         if not self._inside[who]:
             del self._inside[who]
         self.held -= need
+        self._publish()
         self._moved()  # places follow the counts inside
         self.line.admit()
 
@@ -228,6 +283,7 @@ class Admission:
     async def _wait(self, waiter: _Waiter, on_queued) -> None:
         if self.waiting > self.queued:  # counting this one
             self._make_room(waiter)
+        self.line.watch()
         self._moved()
         self._tell_moved()  # those it passed move back
         try:

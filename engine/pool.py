@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from .admission import Admission, Line
+from .seats import SharedSeats
 from .base import Engine
 from .chat_format import Message
 from .config import Config, Profile
@@ -101,13 +102,17 @@ class Engines:
 
     def __init__(self, config: Config,
                  engine_class: Callable[[str, EngineSetup], Engine] | None = None,
-                 front_ends: int = 1):
+                 front_ends: int = 1, front_end: int = 0, folder: str | None = None):
         self.config = config
         # Processes that share each engine's core (launcher.py), each with lines of its own:
         # a preset's seats are split among them, so that all of them together seat no more
         # turns than the engine runs at once, and the rest wait in a line that says their
-        # place (not in vLLM's, which says nothing).
+        # place (not in vLLM's, which says nothing). This is the `front_end`th; with the
+        # launcher's private `folder`, a front end also takes the seats another leaves free
+        # (engine/seats.py); without, each keeps to its part.
         self.front_ends = max(1, front_ends)
+        self.front_end, self.folder = front_end, folder
+        self._shared: list[SharedSeats] = []
         self.engine_class = engine_class or engine_kind()
         self.stand_in = getattr(self.engine_class, "func", self.engine_class) is StandInEngine
         self.engines: dict[str, Engine] = {}
@@ -164,7 +169,12 @@ class Engines:
         """Our lines, not vLLM's: each preset at most its seats inside, all of them within
         the engine's KV cache; a preset keeps room in it for the lower ones' turns not to
         take (its seats x twice its longest default reply, about a prompt and a reply)."""
-        line = Line(engine.kv_tokens, engine.block_size)
+        shared = None
+        if self.front_ends > 1 and self.folder is not None:
+            shared = SharedSeats(self.folder, group.name, self.front_end, self.front_ends,
+                                 [p.name for p in group.presets])
+            self._shared.append(shared)
+        line = Line(engine.kv_tokens, engine.block_size, shared)
         seated = {}
         for preset in group.presets:
             seated[preset.name] = seats(self.config, preset, machine.gpu) \
@@ -172,17 +182,22 @@ class Engines:
             running = max(1, seated[preset.name] // self.front_ends)  # this process's part
             replies = [p.sampling.max_tokens for p in self.config.profiles
                        if p.preset == preset.name]
+            # The cache kept for a class is for its seats in every front end where the
+            # front ends count the cache together, else for this one's part.
+            kept_for = seated[preset.name] if shared else running
             self.admission[preset.name] = Admission(
                 running, preset.max_queued_turns, line=line, priority=preset.priority,
-                keep_tokens=running * 2 * max(replies, default=0) if group.shared else 0,
+                keep_tokens=kept_for * 2 * max(replies, default=0) if group.shared else 0,
                 account_share=preset.account_share,
-                account_queued_share=preset.account_queued_share)
+                account_queued_share=preset.account_queued_share,
+                name=preset.name, whole=seated[preset.name])
             self.engine_of[preset.name] = group.name
         if engine.kv_tokens:
             log.info("%s%s", capacity_line(group.name, engine.kv_tokens,
                                            engine.kv_bytes_per_token, engine.kv_offload_gib,
                                            engine.max_model_len, seated),
-                     f" (split among {self.front_ends} front ends)"
+                     f" (split among {self.front_ends} front ends"
+                     f"{', each taking those the others leave free' if shared else ''})"
                      if self.front_ends > 1 else "")
 
     async def _warm_up(self, group: EngineGroup, engine: Engine, machine: Machine) -> None:
@@ -269,6 +284,9 @@ class Engines:
         for engine in self.engines.values():
             engine.shutdown()
         self.engines.clear()
+        for shared in self._shared:
+            shared.close()
+        self._shared.clear()
         self.admission.clear()
         self.engine_of.clear()
         self.groups.clear()

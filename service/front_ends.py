@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 from dataclasses import dataclass
 
 import httpx
@@ -27,6 +28,12 @@ class FrontEnd:
     @property
     def own_socket(self) -> str:
         return self.peers[self.index]
+
+    @property
+    def folder(self) -> str:
+        """The run's private folder (only this user can open it): where the sockets are,
+        and what the front ends share besides (engine/seats.py)."""
+        return os.path.dirname(self.peers[self.index])
 
     def from_peer(self, given: str | bytes | None) -> bool:
         """Whether a request's PEER_HEADER value is this run's secret: another front end's."""
