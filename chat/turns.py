@@ -18,6 +18,7 @@ from collections.abc import Callable
 import chainlit as cl
 from chainlit.chat_context import chat_context
 
+from chat.clock import CLOCK
 from chat.data_layer import ChatDataLayer
 from chat.session import HISTORY_CHARS, Conversation, Exchange
 from chat.streaming import Coalescer, Pace, Reading
@@ -57,7 +58,8 @@ def user_name() -> str | None:
 class WaitNote:
     """A turn's note while it waits (for the model to start, then for its place in line,
     updated as it moves up, or for a long message to be read), removed once the reply
-    starts or the turn ends."""
+    starts or the turn ends. Shown, never stored: it is not part of the chat (and in a line
+    of hundreds, storing each new place was a database write per place per turn)."""
 
     def __init__(self, profile: str, metrics: TurnMetrics):
         self.profile = profile
@@ -68,7 +70,10 @@ class WaitNote:
     async def say(self, text: str) -> None:
         new, self.message = self.message is None, self.message or cl.Message(content="")
         self.message.content = text
-        await (self.message.send() if new else self.message.update())
+        if new:
+            self.message.created_at = CLOCK.utc_now()
+        emitter, step = cl.context.emitter, self.message.to_dict()
+        await (emitter.send_step(step) if new else emitter.update_step(step))
 
     async def show(self, place: int) -> None:
         if not self.in_line:
@@ -82,7 +87,7 @@ class WaitNote:
             self.metrics.waiting.labels(self.profile).dec()
         if self.message is not None:
             message, self.message = self.message, None
-            await message.remove()
+            await cl.context.emitter.delete_step(message.to_dict())
 
 
 class Turns:

@@ -56,6 +56,7 @@ class _Waiter:
         self.tokens, self.who, self.seq = tokens, who, seq  # seq: its arrival, for ties
         self.admitted = loop.create_future()  # a Busy when pushed out of a full line
         self.told: int | None = None  # the place it was last told (None: not listening)
+        self.told_at = float("-inf")  # when (the loop's clock)
         self.moved = asyncio.Event()  # its place is no longer `told`
 
 
@@ -144,11 +145,16 @@ class Line:
 class Admission:
     def __init__(self, running: int, queued: int, *, line: Line | None = None,
                  priority: int = 0, keep_tokens: int = 0, account_share: float = 1.0,
-                 account_queued_share: float = 1.0, name: str = "", whole: int | None = None):
+                 account_queued_share: float = 1.0, name: str = "", whole: int | None = None,
+                 tell_every_s: float = 0.0):
         # `running`: this front end's own seats; `whole`: every front end's together, when
         # the line's engine is shared with others (`line.shared`), under the preset's `name`.
         self.running, self.queued = running, queued
         self.name, self.whole = name, whole or running
+        # A waiting turn is told its place again at most this often (0: at every move): in
+        # a line of hundreds each turn that ends moves all of them, and each telling is a
+        # message to a browser.
+        self.tell_every_s = tell_every_s
         self.priority, self.keep_tokens = priority, keep_tokens
         # The most seats, and places in a full line, one account keeps beside others'.
         self.account_seats = max(1, int(account_share * running))
@@ -286,17 +292,20 @@ class Admission:
         self.line.watch()
         self._moved()
         self._tell_moved()  # those it passed move back
+        loop = asyncio.get_running_loop()
         try:
             while not waiter.admitted.done():
-                place = self._place(waiter)
+                place, due = self._place(waiter), None
                 if on_queued is not None and place != waiter.told:
-                    waiter.told = place
-                    await on_queued(place)
-                    continue  # the place may have changed meanwhile
+                    due = waiter.told_at + self.tell_every_s - loop.time()
+                    if due <= 0:
+                        waiter.told, waiter.told_at = place, loop.time()
+                        await on_queued(place)
+                        continue  # the place may have changed meanwhile
                 waiter.moved.clear()
                 moved = asyncio.ensure_future(waiter.moved.wait())
-                try:
-                    await asyncio.wait({waiter.admitted, moved},
+                try:  # (told too lately: its new place is said once `due` has passed)
+                    await asyncio.wait({waiter.admitted, moved}, timeout=due,
                                        return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     moved.cancel()

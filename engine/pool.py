@@ -40,6 +40,9 @@ from .stats import TurnStats
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 1.0
+# A waiting turn's new place is said at most this often: in a line of 700 each turn that
+# ends moves every one behind it (engine/admission.py).
+TELL_PLACE_EVERY_S = 0.5
 WARM_UP_BATCHES = (1, 4, 16, 64, 256)  # and the seats: batch sizes warmed up on a GPU
 TEMPLATE_TOKENS = 256  # more than a chat template adds around one message and a system prompt
 RESTART_BACKOFF_S = (1, 2, 4, 8, 16, 30, 60)  # between restart attempts of a dead engine
@@ -190,7 +193,7 @@ class Engines:
                 keep_tokens=kept_for * 2 * max(replies, default=0) if group.shared else 0,
                 account_share=preset.account_share,
                 account_queued_share=preset.account_queued_share,
-                name=preset.name, whole=seated[preset.name])
+                name=preset.name, whole=seated[preset.name], tell_every_s=TELL_PLACE_EVERY_S)
             self.engine_of[preset.name] = group.name
         if engine.kv_tokens:
             log.info("%s%s", capacity_line(group.name, engine.kv_tokens,

@@ -276,6 +276,24 @@ async def test_places_told_are_the_order_seats_go_in():
     assert gate.inside == gate.waiting == 0
 
 
+async def test_a_place_is_told_again_at_most_every_tell_every_s():
+    """In a long line every turn that ends moves everyone behind it: each is told its new
+    place at most every `tell_every_s`, the latest one once that has passed."""
+    gate = Admission(running=1, queued=8, tell_every_s=0.3)
+    turns = [Turn(gate) for _ in range(5)]
+    await settle()
+    last = turns[4]
+    assert last.places == [4]
+    for t in turns[:2]:  # two end at once: the last moves from 4 to 3, then to 2
+        t.done.set()
+        await settle()
+    assert turns[2].inside.is_set() and last.places == [4], "not told again so soon"
+    await asyncio.sleep(0.4)
+    assert last.places == [4, 2], "told its place once the time had passed, the latest"
+    await finish(turns)
+    assert gate.inside == gate.waiting == 0
+
+
 async def test_a_waiting_turn_withdrawn_keeps_counts_shares_and_places_right():
     gate = Admission(running=2, queued=16, account_share=0.5)
     busy = [Turn(gate, "heavy"), Turn(gate, "heavy")]
