@@ -17,13 +17,21 @@ at 2 chats got 6 from 6 messages sent at once), for service/admission.py.
   writes first, which takes the database's one write lock at once.
 - An account with none of these limits (no quota, not a guest) is one read by primary key,
   as before, and holds nothing: its turn's cost is written when it ends.
+- Turns that ask at the same moment are decided together, one after another in one
+  transaction (every lock they need taken first, in order): a room of 1,000 guests asking at
+  once made 1,000 transactions on the database's one write lock, ~5 ms each on 2 cores, and
+  the last waited seconds before its turn began. In it, the figures of a guest's address
+  (its guests' turns this minute, their tokens today) are read once and counted on as each
+  turn takes its place; each account's own are read per turn, after the turns before it
+  were written.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import text
@@ -32,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from store.schema import Reader
 from store.usage import quota_message
 
+BATCH = 64  # turns decided in one transaction at most
 PENDING_S = 3600.0  # a hold older than this is a turn whose process died: it counts no more
 
 # A usage row counts while it is a cost, or a hold that is not stale.
@@ -51,6 +60,10 @@ _RECENT_TURNS = text(
     'a."identifier" OR g."address" = a."address") JOIN usage u ON u."identifier" = '
     f'g."identifier" AND u."day" >= :minute_day AND u."createdAt" > :since AND {_COUNTS} '
     'WHERE a."identifier" = :i')
+# This guest's own turns in the last minute.
+_MY_RECENT_TURNS = text(
+    'SELECT COUNT(*) FROM usage u WHERE u."identifier" = :i AND u."day" >= :minute_day AND '
+    f'u."createdAt" > :since AND {_COUNTS}')
 # The tokens that the guests who joined from this guest's address spent today.
 _ADDRESS_SPENT = text(
     'SELECT COALESCE(SUM(u."promptTokens" + u."replyTokens"), 0) FROM accounts a '
@@ -61,6 +74,7 @@ _HOLD = text(
     'INSERT INTO usage ("id", "identifier", "profile", "source", "day", "createdAt", '
     '"promptTokens", "replyTokens", "stopped", "threadId", "pending") VALUES (:id, :i, '
     ':profile, :source, :day, :created, 0, :reserve, :no, :thread, :yes)')
+_RELEASE = text('DELETE FROM usage WHERE "id" = :hold AND "pending" = :yes')
 _PG_LOCK = text("SELECT pg_advisory_xact_lock(:k)")
 _SQLITE_WRITE_FIRST = text("UPDATE schema_version SET version = version")
 
@@ -86,11 +100,37 @@ class GuestLimits:
 
 async def locked(conn, key: str) -> None:
     """`key` held by this transaction until it ends: the first statement of a transaction."""
+    await locked_all(conn, [key])
+
+
+async def locked_all(conn, keys) -> None:
+    """Every one of `keys` held by this transaction until it ends (in one order everywhere,
+    so that two transactions never wait for each other's): its first statements."""
     if conn.dialect.name == "postgresql":
-        digest = hashlib.sha256(key.encode()).digest()
-        await conn.execute(_PG_LOCK, {"k": int.from_bytes(digest[:8], "big", signed=True)})
+        for key in sorted(set(keys)):
+            digest = hashlib.sha256(key.encode()).digest()
+            await conn.execute(_PG_LOCK, {"k": int.from_bytes(digest[:8], "big", signed=True)})
     else:
         await conn.execute(_SQLITE_WRITE_FIRST)
+
+
+@dataclass
+class _Ask:
+    """One turn asking for its place, and the answer it waits for."""
+    values: dict
+    quota: int | None
+    guest: bool
+    key: str  # its lock: its guests' address, or its account
+    hold_row: dict
+    starts_chat: bool
+    answer: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Address:
+    """An address's guests' figures in a batch's transaction: read once, counted on."""
+    turns: int
+    tokens: int
 
 
 class Admission:
@@ -98,6 +138,8 @@ class Admission:
         self.engine = engine
         self.guests = guests
         self.reader = reader or Reader(engine, own=False)
+        self._asks: list[_Ask] = []  # waiting for the next batch
+        self._deciding: asyncio.Task | None = None
 
     async def take(self, identifier: str | None, *, profile: str, source: str, reserve: int,
                    thread_id: str | None = None, starts_chat: bool = False) -> Hold | None:
@@ -120,43 +162,100 @@ class Admission:
                   "since": minute_ago.isoformat(timespec="seconds"),
                   "minute_day": minute_ago.date().isoformat()}
         hold = Hold(str(uuid.uuid4()))
-        async with self.engine.begin() as conn:
-            await locked(conn, f"address:{address}" if guest and address
-                         else f"account:{identifier}")
-            if guest:
-                refused = await self._guest_refusal(conn, values, starts_chat)
-                if refused:
-                    raise Refused(refused)
-            if quota is not None:
-                spent = int((await conn.execute(_SPENT, values)).scalar_one())
-                if spent >= quota:
-                    raise Refused(quota_message(quota, spent))
-            await conn.execute(_HOLD, {
-                "id": hold.id, "i": identifier, "profile": profile, "source": source,
-                "day": values["day"], "created": now.isoformat(timespec="seconds"),
-                "reserve": max(0, int(reserve)), "thread": thread_id, "no": False,
-                "yes": True})
+        ask = _Ask(values, quota, guest, f"address:{address}" if guest and address
+                   else f"account:{identifier}", {
+                       "id": hold.id, "i": identifier, "profile": profile, "source": source,
+                       "day": values["day"], "created": now.isoformat(timespec="seconds"),
+                       "reserve": max(0, int(reserve)), "thread": thread_id, "no": False,
+                       "yes": True}, starts_chat, asyncio.get_running_loop().create_future())
+        self._asks.append(ask)
+        if self._deciding is None or self._deciding.done():
+            self._deciding = asyncio.ensure_future(self._decide_asks())
+        try:
+            refused = await asyncio.shield(ask.answer)
+        except asyncio.CancelledError:  # its caller gone: a place taken meanwhile goes back
+            ask.answer.add_done_callback(lambda answer: self._give_back(answer, hold.id))
+            raise
+        if refused:
+            raise Refused(refused)
         return hold
 
-    async def _guest_refusal(self, conn, values: dict, starts_chat: bool) -> str | None:
-        limits = self.guests
-        if starts_chat:
+    async def _decide_asks(self) -> None:
+        """Every turn that asked meanwhile, decided in one transaction; again while more
+        ask."""
+        while self._asks:  # (at most BATCH at a time: the first hear sooner)
+            asks, self._asks = self._asks[:BATCH], self._asks[BATCH:]
+            try:
+                answers = await self._decide(asks)
+            except asyncio.CancelledError:
+                for ask in asks:
+                    ask.answer.cancel()
+                raise
+            except Exception as exc:  # the database's failure is each one's
+                for ask in asks:
+                    ask.answer.set_exception(exc)
+                continue
+            for ask, refused in zip(asks, answers):
+                ask.answer.set_result(refused)
+
+    async def _decide(self, asks: list[_Ask]) -> list[str | None]:
+        """Each ask's refusal (None: its place taken), one after another as they came."""
+        answers: list[str | None] = []
+        addresses: dict[str, _Address] = {}
+        async with self.engine.begin() as conn:
+            await locked_all(conn, [ask.key for ask in asks])
+            for ask in asks:
+                refused = None
+                if ask.guest:
+                    refused = await self._guest_refusal(conn, ask, addresses)
+                if refused is None and ask.quota is not None:
+                    spent = int((await conn.execute(_SPENT, ask.values)).scalar_one())
+                    if spent >= ask.quota:
+                        refused = quota_message(ask.quota, spent)
+                if refused is None:
+                    await conn.execute(_HOLD, ask.hold_row)
+                    if ask.key in addresses:  # its address's figures count it now
+                        addresses[ask.key].turns += 1
+                        addresses[ask.key].tokens += ask.hold_row["reserve"]
+                answers.append(refused)
+        return answers
+
+    async def _guest_refusal(self, conn, ask: _Ask, addresses: dict[str, _Address]
+                             ) -> str | None:
+        limits, values = self.guests, ask.values
+        if ask.starts_chat:
             held = (await conn.execute(_CHATS, values)).scalar_one()
             if held >= limits.chats:
                 return (f"A guest can keep {limits.chats} chats at most: delete one in the "
                         "list of chats to start another, or go on in one of them.")
-        if limits.turns_per_minute is not None or limits.address_turns_per_minute is not None:
-            mine, theirs = (await conn.execute(_RECENT_TURNS, values)).one()
-            if limits.turns_per_minute is not None and mine >= limits.turns_per_minute:
+        if limits.turns_per_minute is not None:
+            mine = (await conn.execute(_MY_RECENT_TURNS, values)).scalar_one()
+            if mine >= limits.turns_per_minute:
                 return (f"A guest can send {limits.turns_per_minute} messages a minute at "
                         "most. Please wait a moment.")
-            if limits.address_turns_per_minute is not None and \
-                    theirs >= limits.address_turns_per_minute:
-                return ("The guests on your network are sending many messages right now. "
-                        "Please wait a moment.")
-        if limits.address_tokens is not None:
-            spent = (await conn.execute(_ADDRESS_SPENT, values)).scalar_one()
-            if spent >= limits.address_tokens:
-                return ("The guests on your network have used today's tokens for this demo. "
-                        "Please try again tomorrow (UTC).")
+        if limits.address_turns_per_minute is None and limits.address_tokens is None:
+            return None
+        address = addresses.get(ask.key)
+        if address is None:  # read once per batch: only this transaction adds to it now
+            address = addresses[ask.key] = _Address(
+                turns=(await conn.execute(_RECENT_TURNS, values)).one()[1],
+                tokens=int((await conn.execute(_ADDRESS_SPENT, values)).scalar_one())
+                if limits.address_tokens is not None else 0)
+        if limits.address_turns_per_minute is not None and \
+                address.turns >= limits.address_turns_per_minute:
+            return ("The guests on your network are sending many messages right now. "
+                    "Please wait a moment.")
+        if limits.address_tokens is not None and address.tokens >= limits.address_tokens:
+            return ("The guests on your network have used today's tokens for this demo. "
+                    "Please try again tomorrow (UTC).")
         return None
+
+    def _give_back(self, answer: asyncio.Future, hold_id: str) -> None:
+        """A place taken for a turn whose caller left before hearing so: deleted."""
+        if answer.cancelled() or answer.exception() is not None or answer.result():
+            return
+        asyncio.ensure_future(self._release(hold_id))
+
+    async def _release(self, hold_id: str) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(_RELEASE, {"hold": hold_id, "yes": True})

@@ -237,6 +237,9 @@ def migrations(postgres: bool) -> list[list[str]]:
             "revokedAt" TEXT)''',
          'CREATE INDEX shares_by_account ON shares ("identifier", "revokedAt")',
          'CREATE INDEX shares_by_thread ON shares ("threadId")'],
+        # 11: a guest's chats counted by their owner at each of its turns (store/admission.py)
+        # without reading every chat.
+        ['CREATE INDEX threads_by_owner ON threads ("userIdentifier")'],
     ]
 
 

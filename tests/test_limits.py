@@ -66,6 +66,11 @@ async def guest(invites: Invites, name: str, address: str = "203.0.113.5"):
     return await invites.redeem(token, name, joiner=Joiner(address))
 
 
+async def rows(db, sql: str) -> list:
+    async with db.connect() as conn:
+        return (await conn.execute(text(sql))).all()
+
+
 def turn(admission: Admission, identifier: str, reserve: int = 10, starts_chat=False):
     return admission.take(identifier, profile="Latency-first", source="chat", reserve=reserve,
                           thread_id=str(uuid.uuid4()), starts_chat=starts_chat)
@@ -183,3 +188,40 @@ async def test_one_address_makes_no_more_guests_an_hour_from_a_burst(db):
     taken, refused = await burst(8, lambda i: invites.redeem(token, f"Bot {i}",
                                                              joiner=script))
     assert len(taken) == 3 and all("from your network" in words for words in refused)
+
+
+async def test_a_rooms_guests_asking_at_once_share_their_addresss_caps_exactly(db):
+    """Turns asking together are decided in one transaction, the address's figures read once
+    and counted on: 12 guests of one address at once against its 5 turns a minute, then
+    against its tokens a day; and the next turns, in a later batch, see them stored."""
+    invites = Invites(db)
+    room = [await guest(invites, f"Seat {i}") for i in range(12)]
+    admission = Admission(db, GuestLimits(chats=100, turns_per_minute=3,
+                                          address_turns_per_minute=5))
+    taken, refused = await burst(12, lambda i: turn(admission, room[i].identifier))
+    assert len(taken) == 5 and all("your network" in words for words in refused)
+    taken, refused = await burst(12, lambda i: turn(admission, room[i].identifier))
+    assert not taken and len(refused) == 12, "the first batch's turns were stored"
+    tokens = Admission(db, GuestLimits(chats=100, address_tokens=25))
+    other = [await guest(invites, f"Other {i}", "203.0.113.77") for i in range(6)]
+    taken, refused = await burst(6, lambda i: turn(tokens, other[i].identifier, reserve=10))
+    assert len(taken) == 3, "0, 10, 20 of 25 spent: 3 go in, the 4th finds 30"
+    assert all("today's tokens" in words for words in refused)
+
+
+async def test_a_turn_whose_caller_left_while_it_was_decided_gives_its_place_back(db):
+    invites = Invites(db)
+    chatty = await guest(invites, "Leaves")
+    admission = Admission(db, GuestLimits(chats=100, turns_per_minute=1))
+    asked = asyncio.ensure_future(turn(admission, chatty.identifier))
+    await asyncio.sleep(0)  # asked, not yet decided
+    asked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asked
+    for _ in range(100):  # its place, taken meanwhile, is deleted
+        await asyncio.sleep(0.02)
+        pending = (await rows(db, 'SELECT COUNT(*) FROM usage WHERE "pending"'))[0][0]
+        if not pending:
+            break
+    assert pending == 0
+    assert await turn(admission, chatty.identifier), "its one turn a minute is free again"

@@ -502,7 +502,8 @@ async def feedback_duplicates_go_at_migration_7(engine) -> None:
 
     await migrate(engine)
     async with engine.begin() as conn:  # back to version 6, with duplicates
-        for sql in ('DROP TABLE shares',  # version 10's
+        for sql in ('DROP INDEX threads_by_owner',  # version 11's
+                    'DROP TABLE shares',  # version 10's
                     'DROP TABLE api_responses',  # version 9's
                     'DROP TABLE documents',  # version 8's
                     'DROP INDEX feedbacks_one_per_step',
