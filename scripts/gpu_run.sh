@@ -158,7 +158,11 @@ case "$step" in
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.room --name "${ROOM_NAME:-gpu-room}" "$@" > "$out/${ROOM_NAME:-gpu-room}.log" 2>&1
     status=$?; tail -12 "$out/${ROOM_NAME:-gpu-room}.log"
-    cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null; exit $status ;;
+    cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null
+    # Where the guests' first tokens went (the newest server log: the app's turn lines).
+    log=$(ls -t .cache/server-*.log 2>/dev/null | head -1)
+    [ -n "$log" ] && python3 -m tools.turn_log "$log" --each 1000 > "$out/${ROOM_NAME:-gpu-room}-turns.json"
+    exit $status ;;
   reliability)  # bench.reliability: a front end, then the core, killed under load (shipped app)
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.reliability --name "${RELIABILITY_NAME:-gpu-reliability}" "$@" \

@@ -481,7 +481,7 @@ def test_kv_offloading_takes_a_share_of_a_gpu_machines_memory_unless_set(tmp_pat
     def config_from(data):
         return load_config(write(tmp_path, data), env={})
 
-    assert load_config(ROOT / "profiles.yaml", env={}).memory.cpu_offload_gib == 0  # shipped
+    assert load_config(ROOT / "profiles.yaml", env={}).memory.cpu_offload_gib == "auto"  # shipped
     config = load_config(write(tmp_path, mutated(
         lambda data: data["memory"].update(cpu_offload_gib="auto"))), env={})
     (group,) = engine_groups(config)
