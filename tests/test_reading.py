@@ -80,6 +80,17 @@ async def engine_now(server) -> tuple[dict, float]:
     return engine, usage
 
 
+async def in_the_engine(server, idle_kv: float) -> bool:
+    """The engine has the turn: vLLM counts its request, or holds more of its KV cache."""
+    engine, kv = await engine_now(server)
+    return engine["unfinished_requests"] >= 1 or kv > idle_kv
+
+
+def read_already(c: ChatClient, start: int) -> bool:
+    """The turn since event `start` is past its reading: its reply began, or it ended."""
+    return any(e.name in ("stream_start", "task_end") for e in c.events[start:])
+
+
 def stats(prompt_tokens: int, ttft_s: float | None, cached: int | None = None) -> TurnStats:
     return TurnStats("chat-1", "latency-first", prompt_tokens, 8, ttft_s, 5.0, "length",
                      cached_tokens=cached)
@@ -171,13 +182,25 @@ async def test_stop_while_a_long_message_is_read_aborts_it_in_the_engine(server)
     c = await client(server, max_tokens=8)
     idle, idle_kv = await engine_now(server)
     assert idle["unfinished_requests"] == 0
-    start = len(c.events)
-    await c.emit_message(long_text("harbour"))
-    await c.wait_for_note("Reading your message", since=start)
-    deadline = time.monotonic() + 60
-    while (await engine_now(server))[1] <= idle_kv:  # the engine holds its blocks
-        assert time.monotonic() < deadline, "the engine never took the prompt in"
-        await asyncio.sleep(0.1)
+    # Stop while the engine reads: on a loaded machine the whole turn may end before this
+    # test sees the engine take it, so a longer message is tried then, in a new chat (the
+    # checks below need the withdrawn message to be the chat's only one).
+    for attempt, lines in enumerate((75, 100, 125)):
+        if attempt:
+            await c.close()
+            c = await client(server, max_tokens=8)
+        start = len(c.events)
+        await c.emit_message(long_text(f"harbour {attempt}", lines))
+        await c.wait_for_note("Reading your message", since=start)
+        deadline = time.monotonic() + 60
+        while not await in_the_engine(server, idle_kv) and not read_already(c, start):
+            assert time.monotonic() < deadline, "the engine never took the prompt in"
+            await asyncio.sleep(0.05)
+        if not read_already(c, start):
+            break
+        await c.wait_for("task_end", since=start, timeout=60)  # read too soon: again
+    else:
+        pytest.fail("every message was read before Stop could come: nothing was tested")
     await c.stop()
     end = await c.wait_for("task_end", since=start, timeout=60)
     events = c.events[start:end + 1]
