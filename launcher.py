@@ -333,8 +333,8 @@ def serve(front: FrontEnd, listener: socket.socket, links: dict) -> None:
     shared listening socket and on its own Unix socket, its engines attached to the cores."""
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides; it sends SIGTERM
-    folder = Path(front.own_socket).parent  # the run's, where the launcher writes its notes
-    signal.signal(LOST_SIGNAL, lambda signum, frame: cores_lost(folder))
+    # The run's folder, where the launcher writes its notes.
+    signal.signal(LOST_SIGNAL, lambda signum, frame: cores_lost(front.folder))
     become(front)
     attach(links)
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -97,4 +97,3 @@ class SharedSeats:
             self._map.close()
         with contextlib.suppress(OSError):
             os.close(self._fd)
-
