@@ -59,6 +59,10 @@ class Engine(abc.ABC):
     def shutdown(self) -> None:
         """Stop; idempotent."""
 
+    async def ended(self) -> None:
+        """After `shutdown`: until every process of its own has ended (those of a dead
+        engine, before it starts again: processes.py). None where it runs none."""
+
     @property
     @abc.abstractmethod
     def running(self) -> bool:

@@ -41,10 +41,11 @@ import threading
 import time
 import types
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launch import EngineSetup, importable_here, neutral_main, process_env
+from .processes import CoreProcesses
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class _Core:
     outputs: list[str]
     manager: object = None  # vLLM's engine manager of its processes
     started_in_s: float = 0.0
+    processes: CoreProcesses = field(default_factory=lambda: CoreProcesses(()))
 
 
 class Cores:
@@ -203,6 +205,7 @@ class Cores:
                 listener.close()
         for core in self._cores:
             core.started_in_s = time.monotonic() - started
+            core.processes = CoreProcesses.of_manager(core.manager)
 
     def dead(self) -> list[str]:
         """The engines whose core's processes do not all run."""
@@ -216,10 +219,12 @@ class Cores:
         core = self._core(engine)
         with contextlib.suppress(Exception):
             core.manager.shutdown()
+        core.processes.ended()  # its workers' memory free for the new ones
         started = time.monotonic()
         with contextlib.ExitStack() as waits:
             self._launch(waits, core)
         core.started_in_s = time.monotonic() - started
+        core.processes = CoreProcesses.of_manager(core.manager)
         return core.started_in_s
 
     def expected_restart_s(self, engine: str) -> float:

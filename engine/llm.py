@@ -25,6 +25,7 @@ from .errors import ChatError, Unavailable
 from .history import Prompt, check_fits
 from .launch import EngineSetup, importable_here, neutral_main, process_env
 from .metrics import engine_series
+from .processes import CoreProcesses
 from .stats import FIRST_TOKEN_LEGS, TurnStats
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class PresetEngine(Engine):
         self._llm = None
         self._built = None  # handed over by the thread that builds the engine
         self._abandoned = False  # start() was cancelled: the build shuts its engine down
+        self._processes = CoreProcesses(())  # its core's, where it runs one (not a link's)
         self._lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -94,6 +96,8 @@ class PresetEngine(Engine):
         with self._lock:
             if not self._abandoned:
                 self._built = llm
+                self._processes = CoreProcesses.of_manager(
+                    getattr(llm.engine_core.resources, "engine_manager", None))
                 return
         llm.shutdown()
 
@@ -115,6 +119,9 @@ class PresetEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+    async def ended(self) -> None:
+        await self._processes.ended_async()
 
     @property
     def running(self) -> bool:

@@ -256,6 +256,8 @@ class Engines:
         self._restart_due[name] = time.monotonic() + expected
         with contextlib.suppress(Exception):
             dead.shutdown()
+        with contextlib.suppress(Exception):  # its processes' memory free for the new one
+            await dead.ended()
         attempt = 0
         while True:
             await asyncio.sleep(_backoff(attempt))

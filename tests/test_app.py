@@ -524,7 +524,13 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     # worker process of its own, on one GPU inside the core itself.
     engines = (await server.ready_state())[1]["engines"]
     assert len(cores) == len(engines) >= 1
-    assert has_cuda() or any(p.name() == "VLLM::Worker" for p in old)
+    workers = [p for p in old if p.name() == "VLLM::Worker"]
+    assert has_cuda() or workers
+    # A worker that would not end with its core (stopped here; a full run once found one
+    # still running after the restart) is ended by the pool before it starts the engine
+    # again (engine/processes.py): its memory is the new engine's.
+    for p in workers[:1]:
+        p.suspend()
     for p in cores:
         p.kill()
     # Alone the cut-off note comes within seconds; beside the other test worker's engines it
@@ -549,7 +555,7 @@ async def test_a_dead_engine_is_restarted_and_users_are_told(server):
     assert all(e["restarts"] >= 1 for e in health["engines"].values())
     after = await c.send("Hello again!")
     assert after.reply["metadata"]["output_tokens"] > 0
-    # Nothing of the dead engines lives on: their workers went with them.
+    # Nothing of the dead engines lives on: their workers went with them, the stopped one too.
     orphans = [p for p in old if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert orphans == [], f"left over from the dead engines: {orphans}"
     await c.close()
