@@ -20,6 +20,8 @@ async def test_the_bench_spreads_its_users_over_client_processes(fast_stand_in):
     figures = turn_log.summary(rows)["all"]
     assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
     assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
+    legs = [figures[f"to_turn_{leg}"]["p50"] for leg in ("checks", "chainlit", "app")]
+    assert all(ms >= 0 for ms in legs) and sum(legs) <= figures["to_turn_ms"]["p50"] * 3
     # Fewer users than processes (the GPU bench's level 1 with its 4): one process each.
     result = await run_app(fast_stand_in.url, "Throughput-first", chat(1, 8, seed=4), 1,
                            processes=4)

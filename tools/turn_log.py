@@ -8,7 +8,8 @@ turn's way to its first token.
 Fields: to_turn_ms (the message's arrival -> its turn's start: the login check, Chainlit's
 handling), ttft_ms (the engine: the request -> its first token), app_ttft_ms (the arrival
 -> the first text handed to the socket), and the engine's legs (to_engine, queued, prefill,
-back).
+back), and to_turn_ms's legs (to_turn_checks: the guard's, the login's and the limits';
+to_turn_chainlit: Chainlit's handling, the message stored; to_turn_app: the app's handler).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def turns(text: str) -> list[dict]:
                 fields[key] = float(value)
             except ValueError:
                 fields[key] = value.strip("'\"")
-        for leg in str(fields.get("ttft_legs_ms", "")).split(","):
-            name, _, ms = leg.partition(":")
-            if ms:
-                fields[f"leg_{name}"] = float(ms)
+        for legs, prefix in (("ttft_legs_ms", "leg_"), ("to_turn_legs_ms", "to_turn_")):
+            for leg in str(fields.get(legs, "")).split(","):
+                name, _, ms = leg.partition(":")
+                if ms:
+                    fields[f"{prefix}{name}"] = float(ms)
         out.append(fields)
     return out
 
@@ -48,7 +50,9 @@ def summary(rows: list[dict]) -> dict:
     """Turns per front end and each time's median (and the slowest), over all and per front
     end."""
     def medians(group: list[dict]) -> dict:
-        keys = [*TIMES, *sorted({k for r in group for k in r if k.startswith("leg_")})]
+        keys = [*TIMES, *sorted({k for r in group for k in r
+                                 if k.startswith(("leg_", "to_turn_")) and k not in TIMES
+                                 and not k.endswith("_legs_ms")})]
         out = {"turns": len(group)}
         for key in keys:
             values = [r[key] for r in group if isinstance(r.get(key), float)]
