@@ -175,13 +175,19 @@ async def main(args) -> dict:
         go_join.set()
         joins = [j for conn in conns for j in (await answer(conn, READY_TIMEOUT_S))[1]]
         joined_s = time.monotonic() - start
-        before = await preempted(server)
+        before = await counted(server)
         go_ask.set()
         asks = [a for conn in conns for a in (await answer(conn, RUN_TIMEOUT_S))[1]]
         result = figures(args, joins, asks, joined_s)
+        after = await counted(server)
+        steps = after["steps"] - before["steps"]
         result.update(device=device(), front_ends=(ready.get("front_end") or {}).get("count"),
                       engine="stand-in" if args.stand_in else "vllm", seats=seats_of(ready),
-                      preemptions=await preempted(server) - before)
+                      preemptions=after["preempted"] - before["preempted"], steps=steps,
+                      # Below the seats: seats stood empty (the engine path's running_mean
+                      # is the like figure); steps slower at as many: the engine's pace.
+                      tokens_per_step=round(args.output_len * result["complete"] / steps, 1)
+                      if steps else None)
     finally:
         for proc in procs:
             proc.join(10)
@@ -237,10 +243,12 @@ def seats_of(ready: dict) -> int:
                if name == "throughput-first")
 
 
-async def preempted(server: Server) -> int:
-    """vLLM's preemptions (/ready: every front end's together)."""
+async def counted(server: Server) -> dict[str, int]:
+    """vLLM's preemptions and steps so far (/ready: every front end's together; each step's
+    figures go to one front end)."""
     engines = (await server.get("/ready")).get("engines") or {}
-    return sum(e.get("preempted") or 0 for e in engines.values())
+    return {key: sum(e.get(key) or 0 for e in engines.values())
+            for key in ("preempted", "steps")}
 
 
 def figures(args, joins: list[dict], asks: list[dict], joined_s: float) -> dict:
