@@ -96,8 +96,10 @@ class PresetEngine(Engine):
         with self._lock:
             if not self._abandoned:
                 self._built = llm
+                # (vLLM's client of a core in another process; an in-process one has none)
+                resources = getattr(llm.engine_core, "resources", None)
                 self._processes = CoreProcesses.of_manager(
-                    getattr(llm.engine_core.resources, "engine_manager", None))
+                    getattr(resources, "engine_manager", None))
                 return
         llm.shutdown()
 
