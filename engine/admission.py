@@ -181,10 +181,12 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self, on_queued: Callable[[int], Awaitable[None]] | None = None,
-                   tokens: int = 0, who: Hashable = None) -> AsyncIterator[None]:
+                   tokens: int = 0, who: Hashable = None
+                   ) -> AsyncIterator[Callable[[], None]]:
         """Hold a seat, and `tokens` of the cache (the turn's prompt + max tokens), for the
         body, as one of `who`'s turns; wait in line first if it is not next or either is
-        taken.
+        taken. The body gets `leave()`, which gives both back before it ends: once the
+        engine has finished the turn, while its last words still go to the user.
 
         `on_queued(place)` is awaited when the turn has to wait (place 1 = next in line)
         and again each time its place changes.
@@ -199,10 +201,18 @@ class Admission:
                 self._take(waiter)
         if not taken:
             await self._wait(waiter, on_queued)
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                self._leave(who, need)
+
         try:
-            yield
+            yield leave
         finally:
-            self._leave(who, need)
+            leave()
 
     def _has_seat(self) -> bool:
         """Whether a seat is free for this front end's next turn: one of its own, or one

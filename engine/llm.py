@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -207,8 +207,11 @@ class PresetEngine(Engine):
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                      preset: str | None = None, session: str | None = None,
-                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
-        """Yield text deltas (Pieces with a `decoding`), then one TurnStats. Leaving early
+                     decoding: Decoding | None = None,
+                     on_finished: Callable[[], None] | None = None
+                     ) -> AsyncIterator[str | Piece | TurnStats]:
+        """Yield text deltas (Pieces with a `decoding`), then one TurnStats; `on_finished()`
+        is called as vLLM finishes the request, before its last text. Leaving early
         aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -242,6 +245,8 @@ class PresetEngine(Engine):
                     ttft, legs = now - started, first_token_legs(llm, request_id, started, now)
                 if output.finished:
                     finish, done = completion.finish_reason or "stop", True
+                    if on_finished is not None:
+                        on_finished()
                 if decoding is not None:  # every choice's delta, as a Piece
                     if getattr(output, "prompt_logprobs", None):  # in its first outputs
                         yield Piece(0, "", prompt_logprobs=prompt_logprobs_of(

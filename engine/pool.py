@@ -473,7 +473,7 @@ class Engines:
             sampling.update(priority=gate.priority, preset=prof.preset)
         replies = decoding.n if decoding else 1
         async with gate.slot(on_queued, tokens=prompt.prompt_tokens + replies * prompt.max_tokens,
-                             who=who):
+                             who=who) as leave:
             # Looked up once admitted: the engine may have been restarted while we waited.
             engine = self._serving(prof)
             if on_admitted is not None:
@@ -482,7 +482,10 @@ class Engines:
             # request aborted) now, not whenever the garbage collector gets to it.
             if decoding is not None:
                 sampling["decoding"] = decoding
+            # Its seat goes to the next turn as the engine finishes it, not once the caller
+            # has sent the last words on (a reply's updates are paced: chat/streaming.py).
             async with contextlib.aclosing(engine.stream(prompt, session=session,
+                                                         on_finished=leave,
                                                          **sampling)) as items:
                 async for item in items:
                     yield item

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import openai
@@ -221,8 +221,11 @@ class RemoteEngine(Engine):
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                      preset: str | None = None, session: str | None = None,
-                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
-        """Yield text deltas, then one TurnStats. Leaving early closes the HTTP stream,
+                     decoding: Decoding | None = None,
+                     on_finished: Callable[[], None] | None = None
+                     ) -> AsyncIterator[str | Piece | TurnStats]:
+        """Yield text deltas, then one TurnStats (`on_finished()` once the server's stream
+        has ended, before the stats). Leaving early closes the HTTP stream,
         which makes the server abort the request. `priority` is the server's own matter;
         `session` goes in the remote block's `session_header`, for a router in front of
         several servers to keep a chat on one of them (and its prefix cache warm); a
@@ -267,6 +270,8 @@ class RemoteEngine(Engine):
                     elif choice.text:
                         yield choice.text
             done = True
+            if on_finished is not None:
+                on_finished()
         except openai.APIError as exc:
             done = True  # the server ended it
             message, unreachable = _explain(exc, answered=pieces > 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from .base import Engine
@@ -73,10 +73,13 @@ class StandInEngine(Engine):
     async def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                      ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                      preset: str | None = None, session: str | None = None,
-                     decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
+                     decoding: Decoding | None = None,
+                     on_finished: Callable[[], None] | None = None
+                     ) -> AsyncIterator[str | Piece | TurnStats]:
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
-        (the engine never waits for its readers). It writes filler only: a turn asking for
+        (the engine never waits for its readers), and `on_finished()` is called with the
+        last ones. It writes filler only: a turn asking for
         more of the decoding (stop strings, JSON, log probabilities...) is refused."""
         if not self.running:
             raise self.not_running()
@@ -96,6 +99,8 @@ class StandInEngine(Engine):
                     await asyncio.sleep(started + (steps + 1) * self.step_s - time.monotonic())
                     continue
                 text = "".join(" " + WORDS[i % len(WORDS)] for i in range(sent, due))
+                if due == max_tokens and on_finished is not None:
+                    on_finished()
                 # With the plain Decoding (the API asks it): Pieces, the last one finished.
                 yield text if decoding is None else Piece(
                     0, text, None, "length" if due == max_tokens else None)

@@ -58,6 +58,32 @@ async def test_full_engine_queues_in_order_tells_places_and_refuses_beyond_the_b
     assert gate.inside == 0 and gate.waiting == 0
 
 
+async def test_a_turn_that_leaves_early_gives_its_seat_and_cache_back_once():
+    """The engine finished the turn while its caller still sends its last words (paced:
+    chat/streaming.py): the seat and its cache go to the next turn then, and leaving the
+    body afterwards gives back nothing more."""
+    gate = Admission(running=1, queued=2, line=Line(kv_tokens=100))
+    order = []
+
+    async def first():
+        async with gate.slot(tokens=80) as leave:
+            order.append("first in")
+            leave()
+            leave()  # twice: still one seat given back
+            await asyncio.sleep(0.05)  # its last words going out
+            order.append("first out")
+
+    async def second():
+        await asyncio.sleep(0)
+        async with gate.slot(tokens=80):
+            order.append("second in")
+            assert gate.inside == 1 and gate.held == 80
+
+    await asyncio.gather(first(), second())
+    assert order == ["first in", "second in", "first out"]
+    assert gate.inside == 0 and gate.waiting == 0 and gate.held == 0
+
+
 async def test_a_withdrawn_turn_leaves_the_queue_and_no_place_is_lost():
     gate = Admission(running=1, queued=3)
     first, second, third = Turn(gate), Turn(gate), Turn(gate)

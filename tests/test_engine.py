@@ -110,6 +110,21 @@ async def test_concurrent_turns_are_batched_in_the_same_steps(engines):
     assert batch_steps < 2 * one_turn_steps
 
 
+async def test_a_turns_seat_goes_back_as_the_engine_finishes_it(engines):
+    """Its seat (and cache) go to the next turn when vLLM finishes the request, not once
+    the caller has pulled the last words and the figures: the chat sends a reply's updates
+    at a pace (chat/streaming.py), and a room's next turns waited that long for each seat."""
+    gate = engines.admission[engines.config.profile("Latency-first").preset]
+    before = gate.inside
+    seen = []
+    async for item in engines.stream(fitted(engines, max_tokens=8), "Latency-first",
+                                     ignore_eos=True):
+        seen.append((isinstance(item, TurnStats), gate.inside))
+    assert seen[0] == (False, before + 1), seen  # its first words: the seat still its own
+    assert seen[-1] == (True, before), seen  # its figures: the seat already given back
+    assert gate.inside == before
+
+
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
 async def test_leaving_a_stream_aborts_the_request_in_the_engine(engines, how):
     engine = engines.for_profile("Latency-first")
