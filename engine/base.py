@@ -13,7 +13,7 @@ as `vllm serve` does.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import ClassVar
 
 from .chat_format import ChatFormatter
@@ -85,13 +85,17 @@ class Engine(abc.ABC):
     def stream(self, prompt: Prompt, *, temperature: float, top_p: float,
                ignore_eos: bool = False, seed: int | None = None, priority: int = 0,
                preset: str | None = None, session: str | None = None,
-               decoding: Decoding | None = None) -> AsyncIterator[str | Piece | TurnStats]:
+               decoding: Decoding | None = None,
+               on_finished: Callable[[], None] | None = None
+               ) -> AsyncIterator[str | Piece | TurnStats]:
         """Text deltas (with a `decoding`: Pieces, decoding.py), then one TurnStats; leaving
         early ends the turn on the engine.
         `priority`: the turn's class where the engine schedules by priority (lower first);
         `preset`: whose turn it is on a shared engine (for its stats); `session`: a key
         that stays the same for a chat's turns (its id), which a remote server's router may
-        keep on one replica."""
+        keep on one replica; `on_finished()`: called once the engine has finished the turn,
+        as soon as it knows (before the last text where it can), so that its seat is free
+        while the last words still go to the user."""
 
     async def warm_up(self, samplings: list[dict], batches: list[int]) -> int:
         """Run what the first users' turns will before anyone waits on it; the turns run.
