@@ -4,8 +4,8 @@ vLLM's core starts processes of its own (on CPU the model runs in a worker proce
 GPUs, one worker each). When the core dies (killed, out of memory), each of its workers
 sees its parent gone and exits by itself, seconds later (3 s on an idle 2-core machine, 6 s
 beside 3 busy processes); one that does not (a full test run once found one still running
-after its engine had started again; a stopped one never would) keeps its model weights and KV cache in memory while the engine is started again,
-which then may not fit. So each core's processes are noted once it runs (`CoreProcesses`),
+after its engine had started again; a stopped one never would) keeps its model weights and
+KV cache in memory while the engine is started again, which then may not fit. So each core's processes are noted once it runs (`CoreProcesses`),
 and before its engine starts again, those still running are asked to end (SIGTERM: a
 worker's own clean exit) and, past `END_GRACE_S`, killed.
 
@@ -65,10 +65,10 @@ class CoreProcesses:
                         ", ".join(f"{p.pid}" for p in left))
         return left
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float) -> None:
         for proc in self.running():
             log.error("Process %d of a dead engine did not end in %.0f s: killed", proc.pid,
-                      END_GRACE_S)
+                      grace_s)
             with contextlib.suppress(psutil.Error):
                 proc.kill()
 
@@ -78,12 +78,8 @@ class CoreProcesses:
         if self.end():
             while self.running() and time.monotonic() < deadline:
                 time.sleep(POLL_S)
-            self.kill()
+            self.kill(grace_s)
 
     async def ended_async(self, grace_s: float = END_GRACE_S) -> None:
-        """`ended`, waiting on the event loop."""
-        deadline = time.monotonic() + grace_s
-        if self.end():
-            while self.running() and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S)
-            self.kill()
+        """`ended`, in a worker thread: the event loop serves on meanwhile."""
+        await asyncio.to_thread(self.ended, grace_s)

@@ -14,8 +14,8 @@ import psutil
 from engine.processes import CoreProcesses
 from tools.polling import until
 
-# A "core" that starts a "worker" of its own, as vLLM's CPU core does; WORKER_LINE tells
-# the worker whether to ignore SIGTERM (one that would not end when asked).
+# A "core" that starts a "worker" of its own, as vLLM's CPU core does; the worker's extra
+# line may make it ignore SIGTERM (one that would not end when asked).
 CORE = """
 import subprocess, sys, time
 subprocess.Popen([sys.executable, "-c", sys.argv[1]])

@@ -9,7 +9,8 @@ Fields: to_turn_ms (the message's arrival -> its turn's start: the login check, 
 handling), ttft_ms (the engine: the request -> its first token), app_ttft_ms (the arrival
 -> the first text handed to the socket), and the engine's legs (to_engine, queued, prefill,
 back), and to_turn_ms's legs (to_turn_checks: the guard's, the login's and the limits';
-to_turn_chainlit: Chainlit's handling, the message stored; to_turn_app: the app's handler).
+to_turn_chainlit: Chainlit's handling, its storing of the message started beside it, not
+awaited; to_turn_app: the app's handler).
 """
 
 from __future__ import annotations
