@@ -72,3 +72,12 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
         "tpot_ms": _pcts([t.tpot for t in done if t.tpot is not None]),
         "e2e_ms": _pcts([t.e2e for t in done]),
     }
+
+
+def decode_by_wave(timings: list[RequestTiming], size: int) -> list[float]:
+    """Each stream's decode speed (1 / TPOT, tokens/s), median over every `size` turns in
+    the order their first tokens came: with `size` seats and replies of one length, the
+    turns that ran together, so the engine's pace wave by wave."""
+    started = sorted((t for t in timings if t.ok and t.tpot), key=lambda t: t.chunks[0])
+    return [round(statistics.median(1 / t.tpot for t in started[i:i + size]), 1)
+            for i in range(0, len(started), max(1, size))]

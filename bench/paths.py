@@ -8,7 +8,7 @@ import asyncio
 import functools
 import time
 
-from bench.metrics import RequestTiming, summarize
+from bench.metrics import RequestTiming, decode_by_wave, summarize
 from bench.workloads import SAMPLING, SYSTEM_PROMPT, Request, arrive
 from engine import Message, Prompt, TurnStats
 from engine.history import fit_history
@@ -34,13 +34,14 @@ def engine_view(engine: PresetEngine) -> dict:
 
 
 async def drive_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
-                       progress=None, from_arrival: bool = False
+                       progress=None, from_arrival: bool = False, sampling: dict | None = None
                        ) -> tuple[list[RequestTiming], float]:
     """`concurrency` users at once, each taking the next request when its turn ends.
     Returns the per-request timings and the wall time. `from_arrival`: each request's
     times count from its arrival (the run's start plus its delay), its wait for one of the
     `concurrency` seats included, as a user who asked then would count them; otherwise from
-    when it was sent."""
+    when it was sent. `sampling`: the requests' (default: the benches' SAMPLING)."""
+    sampling = SAMPLING if sampling is None else sampling
     queue = list(reversed(requests))
     timings: list[RequestTiming] = []
     # Every run starts as new conversations would: prompts an earlier run sent (a repeat, or
@@ -54,7 +55,7 @@ async def drive_engine(engine: PresetEngine, requests: list[Request], concurrenc
             t = RequestTiming(sent=started + req.delay_s if from_arrival else time.monotonic())
             timings.append(t)
             async for item in engine.stream(one_message(engine, req.prompt, req.output_len),
-                                            ignore_eos=True, **SAMPLING):
+                                            ignore_eos=True, **sampling):
                 if isinstance(item, TurnStats):
                     t.output_tokens = item.output_tokens
                 else:
@@ -111,16 +112,21 @@ async def run_raw(engine: PresetEngine, requests: list[Request], concurrency: in
 
 
 async def run_engine(engine: PresetEngine, requests: list[Request], concurrency: int,
-                     progress=None, from_arrival: bool = False) -> dict:
-    """One run on the engine path: its metrics and the scheduler's view of it."""
-    return await _measured(functools.partial(drive_engine, from_arrival=from_arrival), engine,
-                           requests, concurrency, progress)
+                     progress=None, from_arrival: bool = False, waves: int = 0,
+                     sampling: dict | None = None) -> dict:
+    """One run on the engine path: its metrics and the scheduler's view of it; `waves`:
+    also the streams' decode speed for every that many turns (bench/metrics.py)."""
+    drive = functools.partial(drive_engine, from_arrival=from_arrival, sampling=sampling)
+    return await _measured(drive, engine, requests, concurrency, progress, waves)
 
 
 async def _measured(drive, engine: PresetEngine, requests: list[Request], concurrency: int,
-                    progress) -> dict:
+                    progress, waves: int = 0) -> dict:
     engine.step_stats.reset()
-    result = summarize(*await drive(engine, requests, concurrency, progress))
+    timings, wall_s = await drive(engine, requests, concurrency, progress)
+    result = summarize(timings, wall_s)
+    if waves:
+        result["decode_tok_s_by_wave"] = decode_by_wave(timings, waves)
     result["engine"] = engine_view(engine)
     return result
 

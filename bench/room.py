@@ -23,6 +23,8 @@ runs both with that KV offloading (profiles.yaml's memory.cpu_offload_gib).
                                                              (GPU: dummy Qwen3-4B)
     scripts/gpu_run.sh OUT room --front-ends 4 --cpu-offload-gib 0     (on the GPU machine)
     python -m bench.room --guests 200 --stand-in --name room-cpu            (CPU, a proxy)
+    python -m bench.room --engine-only --engine-seats 256 --engine-repeats 3 --name NAME
+                             (the engine path alone: the guests' sampling beside top_p 1)
 
 Writes bench/results/NAME.json with a `targets` list.
 """
@@ -151,6 +153,9 @@ async def main(args) -> dict:
     if args.cpu_offload_gib is not None:  # the app and the engine path alike
         os.environ["VCHAT_PROFILES"] = env["VCHAT_PROFILES"] = str(
             profiles_with(args.cpu_offload_gib, None))
+    if args.engine_only:  # the engine path's runs alone (its samplings side by side)
+        return {"device": device(), "guests": args.guests, "output_len": args.output_len,
+                "engine_path": await engine_path(args), "targets": []}
     server = Server(env)
     context = multiprocessing.get_context("spawn")
     procs, conns = [], []
@@ -206,24 +211,57 @@ async def main(args) -> dict:
 
 async def engine_path(args) -> dict:
     """The same load straight on the shared engine (bench/paths.py's engine path: no app,
-    no line of the app's own; vLLM queues beyond its seats), after the app has stopped."""
+    no line of the app's own; vLLM queues beyond its seats), after the app has stopped.
+
+    Like for like, its requests sample as the guests' turns do (the invite's profile's
+    temperature and top_p: top-p costs the engine each step); `--engine-repeats` runs it
+    that many times, each beside a run with the benches' own sampling (top_p 1, as the
+    figures before 2026-12-07 were taken), in turn: the median is the figure."""
     from bench.paths import run_engine
-    from bench.workloads import chat
+    from bench.workloads import SAMPLING, chat
     from engine import Engines, load_config
 
-    pool = Engines(load_config())
+    config = load_config()
+    theirs = guests_sampling(config, args.profile)
+    seats = args.engine_seats or args.guests
+    pool = Engines(config)
     await pool.start()
+    runs: dict[str, list[dict]] = {"guests": [], "benches": []}
     try:
         (engine,) = pool.engines.values()
-        # Every guest asks at once: held to fewer seats, a turn's TTFT counts its wait for
-        # one, as the app's guests' do.
-        out = await run_engine(engine, chat(args.guests, args.output_len),
-                               args.engine_seats or args.guests, from_arrival=True)
+        for _ in range(max(1, args.engine_repeats)):
+            for name, sampling in (("guests", theirs), ("benches", SAMPLING)):
+                # Every guest asks at once: held to fewer seats, a turn's TTFT counts its wait
+                # for one, as the app's guests' do.
+                runs[name].append(await run_engine(
+                    engine, chat(args.guests, args.output_len), seats, from_arrival=True,
+                    waves=seats, sampling=sampling))
     finally:
         pool.shutdown()
-    return {"tok_s": out["tok_s"], "ttft_p50_s": out["ttft_ms"]["p50"] / 1000,
-            "completed": out["completed"], "at_once": args.engine_seats or args.guests,
-            "engine": out.get("engine")}
+
+    def median_of(name: str) -> dict:
+        # tok_s: the runs' median; the rest from the middle run (of two, the faster).
+        out = sorted(runs[name], key=lambda r: r["tok_s"])[len(runs[name]) // 2]
+        # decode_tok_s_by_wave: the engine's pace wave by wave, beside the app's (the turn
+        # log's tokens_per_s for every as many turns: tools/turn_log.py --each).
+        return {"tok_s": statistics.median(r["tok_s"] for r in runs[name]),
+                "ttft_p50_s": out["ttft_ms"]["p50"] / 1000,
+                "completed": out["completed"], "at_once": seats,
+                "decode_tok_s_by_wave": out["decode_tok_s_by_wave"],
+                "runs_tok_s": [r["tok_s"] for r in runs[name]], "engine": out.get("engine")}
+
+    # Each pair's two runs were neighbours: their ratio is what top-p costs the engine.
+    pairs = [round(g["tok_s"] / b["tok_s"], 3) for g, b in zip(runs["guests"], runs["benches"])]
+    return {**median_of("guests"), "sampling": theirs,
+            "with_benches_sampling": {**median_of("benches"), "sampling": SAMPLING},
+            "guests_over_benches_tok_s": {"pairs": pairs, "median": statistics.median(pairs)}}
+
+
+def guests_sampling(config, profile: str) -> dict:
+    """How the guests' turns sample: their profile's temperature and top_p (a guest's
+    settings start at them; the room's guests change only max_tokens)."""
+    sampling = config.profile_or_default(profile).sampling
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p}
 
 
 def ratios(r: dict) -> dict:
@@ -314,6 +352,12 @@ def parse(argv=None):
                    help="the engine path's turns at once (default: all: vLLM's own line "
                         "holds the rest; the app's Throughput-first seats for a like-for-like "
                         "figure)")
+    p.add_argument("--engine-repeats", type=int, default=1,
+                   help="engine path runs with the guests' sampling, each beside one with the "
+                        "benches' (top_p 1); the median is the figure")
+    p.add_argument("--engine-only", action="store_true",
+                   help="only the engine path's runs (with --engine-repeats: the guests' "
+                        "sampling beside the benches', pair by pair), no app")
     p.add_argument("--cpu-offload-gib", default=None,
                    help="profiles.yaml's memory.cpu_offload_gib for this run (GiB or auto; "
                         "default: the file's)")

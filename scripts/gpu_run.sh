@@ -161,7 +161,9 @@ case "$step" in
     cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null
     # Where the guests' first tokens went (the newest server log: the app's turn lines).
     log=$(ls -t .cache/server-*.log 2>/dev/null | head -1)
-    [ -n "$log" ] && python3 -m tools.turn_log "$log" --each 1000 > "$out/${ROOM_NAME:-gpu-room}-turns.json"
+    [ -n "$log" ] && { python3 -m tools.turn_log "$log" --each 1000; python3 -m tools.turn_log "$log" --each "${ROOM_WAVE:-256}"; } > "$out/${ROOM_NAME:-gpu-room}-turns.json"
+    # And the log itself (its turn lines' times: the seats taken over the run).
+    [ -n "$log" ] && gzip -c "$log" > "$out/${ROOM_NAME:-gpu-room}-server.log.gz"
     exit $status ;;
   reliability)  # bench.reliability: a front end, then the core, killed under load (shipped app)
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \

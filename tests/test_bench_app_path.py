@@ -20,6 +20,8 @@ async def test_the_bench_spreads_its_users_over_client_processes(fast_stand_in):
     figures = turn_log.summary(rows)["all"]
     assert figures["turns"] == 6 and "front_ends" not in turn_log.summary(rows)
     assert 0 < figures["to_turn_ms"]["p50"] <= figures["app_ttft_ms"]["p50"]
+    # Each turn's decode speed (the stand-in's pace; bench.room sets it beside the engine's).
+    assert figures["tokens_per_s"]["p50"] > 0
     legs = [figures[f"to_turn_{leg}"]["p50"] for leg in ("checks", "chainlit", "app")]
     assert all(ms >= 0 for ms in legs) and sum(legs) <= figures["to_turn_ms"]["p50"] * 3
     # Fewer users than processes (the GPU bench's level 1 with its 4): one process each.

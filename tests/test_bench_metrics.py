@@ -1,7 +1,7 @@
 """The benchmark's metric definitions (vLLM's) and its headline figures, on hand-made
 timings and runs."""
 
-from bench.metrics import RequestTiming, summarize
+from bench.metrics import RequestTiming, decode_by_wave, summarize
 from bench.report import targets
 from bench.run import headline, keep_preset_runs
 from bench.workloads import chat, mixed
@@ -20,6 +20,18 @@ def test_ttft_itl_tpot_e2e_and_throughput():
     assert result["itl_ms"]["p50"] == 200.0 and result["itl_ms"]["mean"] == 250.0
     # TPOT per request: (1.0 - 0.5) / 3 and (1.5 - 1.0) / 1.
     assert abs(result["tpot_ms"]["mean"] - (500 / 3 + 500) / 2) < 0.01
+
+
+def test_decode_speed_is_taken_wave_by_wave_in_the_order_turns_began():
+    """bench.room sets the engine's pace per wave of seats beside the app's: turns grouped
+    by their first token's time, not by the order they were sent or listed."""
+    def turn(first: float, tpot: float) -> RequestTiming:
+        return RequestTiming(sent=0.0, chunks=[first, first + 10 * tpot], output_tokens=11)
+    late_and_slow = [turn(5.0 + i, 0.02) for i in range(3)]
+    early_and_fast = [turn(0.1 * i, 0.01) for i in range(3)]
+    failed = RequestTiming(sent=0.0, ok=False)
+    assert decode_by_wave([*late_and_slow, failed, *early_and_fast], 3) == [100.0, 50.0]
+    assert decode_by_wave(early_and_fast, 2) == [100.0, 100.0]
 
 
 def test_workloads_are_seeded_and_mixed_has_long_prompts():

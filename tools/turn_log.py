@@ -10,7 +10,8 @@ handling), ttft_ms (the engine: the request -> its first token), app_ttft_ms (th
 -> the first text handed to the socket), and the engine's legs (to_engine, queued, prefill,
 back), and to_turn_ms's legs (to_turn_checks: the guard's, the login's and the limits';
 to_turn_chainlit: Chainlit's handling, its storing of the message started beside it, not
-awaited; to_turn_app: the app's handler).
+awaited; to_turn_app: the app's handler); tokens_per_s, each turn's decode speed (runs of
+turns that ended together: the engine's pace while they ran).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 FIELD = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
 TIMES = ("to_turn_ms", "ttft_ms", "app_ttft_ms")
+# And each turn's decode speed after its first token (the engine's pace: 1 / TPOT).
+SPEEDS = ("tokens_per_s",)
 
 
 def turns(text: str) -> list[dict]:
@@ -51,7 +54,7 @@ def summary(rows: list[dict]) -> dict:
     """Turns per front end and each time's median (and the slowest), over all and per front
     end."""
     def medians(group: list[dict]) -> dict:
-        keys = [*TIMES, *sorted({k for r in group for k in r
+        keys = [*TIMES, *SPEEDS, *sorted({k for r in group for k in r
                                  if k.startswith(("leg_", "to_turn_")) and k not in TIMES
                                  and not k.endswith("_legs_ms")})]
         out = {"turns": len(group)}
