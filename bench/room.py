@@ -214,7 +214,8 @@ async def engine_path(args) -> dict:
     no line of the app's own; vLLM queues beyond its seats), after the app has stopped.
 
     Like for like, its requests sample as the guests' turns do (the invite's profile's
-    temperature and top_p: top-p costs the engine each step); `--engine-repeats` runs it
+    temperature and top_p: top-p costs the engine each step) and go in their preset's class
+    (the shared engine's priority); `--engine-repeats` runs it
     that many times, each beside a run with the benches' own sampling (top_p 1, as the
     figures before 2026-12-07 were taken), in turn: the median is the figure."""
     from bench.paths import run_engine
@@ -222,7 +223,7 @@ async def engine_path(args) -> dict:
     from engine import Engines, load_config
 
     config = load_config()
-    theirs = guests_sampling(config, args.profile)
+    theirs, priority = guests_sampling(config, args.profile), guests_class(config, args.profile)
     seats = args.engine_seats or args.guests
     pool = Engines(config)
     await pool.start()
@@ -235,7 +236,7 @@ async def engine_path(args) -> dict:
                 # for one, as the app's guests' do.
                 runs[name].append(await run_engine(
                     engine, chat(args.guests, args.output_len), seats, from_arrival=True,
-                    waves=seats, sampling=sampling))
+                    waves=seats, sampling={**sampling, **priority}))
     finally:
         pool.shutdown()
 
@@ -252,7 +253,7 @@ async def engine_path(args) -> dict:
 
     # Each pair's two runs were neighbours: their ratio is what top-p costs the engine.
     pairs = [round(g["tok_s"] / b["tok_s"], 3) for g, b in zip(runs["guests"], runs["benches"])]
-    return {**median_of("guests"), "sampling": theirs,
+    return {**median_of("guests"), "sampling": theirs, **priority,
             "with_benches_sampling": {**median_of("benches"), "sampling": SAMPLING},
             "guests_over_benches_tok_s": {"pairs": pairs, "median": statistics.median(pairs)}}
 
@@ -262,6 +263,14 @@ def guests_sampling(config, profile: str) -> dict:
     settings start at them; the room's guests change only max_tokens)."""
     sampling = config.profile_or_default(profile).sampling
     return {"temperature": sampling.temperature, "top_p": sampling.top_p}
+
+
+def guests_class(config, profile: str) -> dict:
+    """The class the guests' turns go to the shared engine in: their preset's priority, as
+    the app sends it (the planned scheduler keeps a step budget for the first class's
+    turns: sent in class 0, the engine path's turns were taken for Latency-first's; on 2 CPU
+    cores it then ran 13.6 turns at once where the app ran 62)."""
+    return {"priority": config.presets[config.profile_or_default(profile).preset].priority}
 
 
 def ratios(r: dict) -> dict:

@@ -185,14 +185,19 @@ def test_the_profiles_figures_pool_a_phases_pairs_across_runs_when_asked():
 
 
 def test_the_rooms_engine_path_samples_as_the_guests_turns_do(config):
-    """bench.room's engine path is the same load as the app's: its requests sample with the
-    invite's profile's temperature and top_p (top-p costs the engine each step: with 16
-    seats on 2 CPU cores, top_p 0.9 ran at 0.64x the benches' top_p 1; BENCHMARKS.md), and
-    an empty profile (an invite for any) is the guests' default one."""
-    from bench.room import guests_sampling, parse
+    """bench.room's engine path is the same load as the app's: its requests go in the
+    invite's profile's class and sample with its temperature and top_p (top-p costs the
+    engine each step: with 16 seats on 2 CPU cores, top_p 0.9 ran at 0.64x the benches'
+    top_p 1; BENCHMARKS.md), and an empty profile (an invite for any) is the guests'
+    default one."""
+    from bench.room import guests_class, guests_sampling, parse
 
     for profile in config.profiles:
         assert guests_sampling(config, profile.name) == {
             "temperature": profile.sampling.temperature, "top_p": profile.sampling.top_p}
+        # In the class the app sends its turns in (the shared engine's priority).
+        assert guests_class(config, profile.name) == {
+            "priority": config.presets[profile.preset].priority}
+    assert guests_class(config, "Throughput-first") == {"priority": 1}
     assert guests_sampling(config, "") == guests_sampling(config, config.default_profile.name)
     assert parse([]).engine_repeats == 1 and parse(["--engine-repeats", "3"]).engine_repeats == 3
