@@ -215,9 +215,9 @@ async def engine_path(args) -> dict:
 
     Like for like, its requests sample as the guests' turns do (the invite's profile's
     temperature and top_p: top-p costs the engine each step) and go in their preset's class
-    (the shared engine's priority); `--engine-repeats` runs it
-    that many times, each beside a run with the benches' own sampling (top_p 1, as the
-    figures before 2026-12-07 were taken), in turn: the median is the figure."""
+    (the shared engine's priority). `--engine-repeats` runs it that many times, each beside
+    a run with the benches' own sampling (top_p 1, as the figures before 2026-12-07 were
+    taken), in turn: the median is the figure."""
     from bench.paths import run_engine
     from bench.workloads import SAMPLING, chat
     from engine import Engines, load_config
