@@ -155,13 +155,18 @@ case "$step" in
     status=$?; grep '^{' "$out/returning.log" | cut -c1-600
     [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
   room)  # bench.room: a room of guests joining by one invite link, all asking at once
+    # Its figures written straight into OUT (a link in their place): the app's, saved
+    # before the engine path runs, come back even if the call's time runs out during it.
+    ln -sf "$(realpath "$out")/${ROOM_NAME:-gpu-room}.json" bench/results/
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.room --name "${ROOM_NAME:-gpu-room}" "$@" > "$out/${ROOM_NAME:-gpu-room}.log" 2>&1
     status=$?; tail -12 "$out/${ROOM_NAME:-gpu-room}.log"
-    cp bench/results/"${ROOM_NAME:-gpu-room}".json "$out/" 2>/dev/null
     # Where the guests' first tokens went (the newest server log: the app's turn lines).
     log=$(ls -t .cache/server-*.log 2>/dev/null | head -1)
-    [ -n "$log" ] && { python3 -m tools.turn_log "$log" --each 1000; python3 -m tools.turn_log "$log" --each "${ROOM_WAVE:-256}"; } > "$out/${ROOM_NAME:-gpu-room}-turns.json"
+    # All its turns, then every ROOM_WAVE (the seats: the turns that ran together).
+    [ -n "$log" ] && { python3 -m tools.turn_log "$log" --each 1000
+                       python3 -m tools.turn_log "$log" --each "${ROOM_WAVE:-256}"
+                     } > "$out/${ROOM_NAME:-gpu-room}-turns.json"
     # And the log itself (its turn lines' times: the seats taken over the run).
     [ -n "$log" ] && gzip -c "$log" > "$out/${ROOM_NAME:-gpu-room}-server.log.gz"
     exit $status ;;
