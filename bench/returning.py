@@ -14,6 +14,7 @@ and `--others` is computed from it unless given. Figures per run: the returning 
 TTFT (p50, p95) and cached share, the others' tokens per second in step 2, preemptions.
 
     scripts/gpu_run.sh OUT returning --offload-gib 0 32               (on a GPU)
+    scripts/gpu_run.sh OUT returning --offload-gib 0 32 --block-size 64   (larger blocks)
     .venv/bin/python -m bench.returning --plan cpu                     (a CPU dry run: the
                                                   steps and figures, no offloading on a CPU)
 """
@@ -41,13 +42,18 @@ PRIORITY = 1  # Throughput-first's class: a chat's turn as the app sends it
 PROFILES = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
-def profiles_with(offload_gib: float | str, gpu_memory_utilization: float | None) -> Path:
-    """The shipped profiles.yaml with this run's memory: section (GiB, or "auto")."""
+def profiles_with(offload_gib: float | str, gpu_memory_utilization: float | None,
+                  block_size: int | None = None) -> Path:
+    """The shipped profiles.yaml with this run's memory: section (GiB, or "auto"), and
+    vLLM's KV cache block size for every engine when given (tokens a block: a returning
+    chat's history is loaded back a block and a layer per copy)."""
     raw = yaml.safe_load(PROFILES.read_text())
     raw["memory"]["cpu_offload_gib"] = offload_gib if offload_gib == "auto" \
         else float(offload_gib)
     if gpu_memory_utilization is not None:
         raw["memory"]["gpu_memory_utilization"] = gpu_memory_utilization
+    if block_size:
+        raw.setdefault("vllm", {})["block_size"] = block_size
     path = Path(tempfile.mkdtemp(prefix="returning-")) / "profiles.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -75,7 +81,8 @@ async def run(args, offload_gib: float) -> dict:
     from engine import Engines, load_config
     from engine.pool import offload_tokens
 
-    os.environ["VCHAT_PROFILES"] = str(profiles_with(offload_gib, args.gpu_memory_utilization))
+    os.environ["VCHAT_PROFILES"] = str(profiles_with(offload_gib, args.gpu_memory_utilization,
+                                                     args.block_size))
     pool = Engines(load_config())
     await pool.start()
     try:
@@ -88,7 +95,8 @@ async def run(args, offload_gib: float) -> dict:
         # The native connector keeps every computed block in CPU memory, least recently
         # used out first: the first chats stay there only if both sets fit in it.
         held = offload_tokens(engine.kv_offload_gib, engine.kv_bytes_per_token)
-        figures = {"offload_gib": offload_gib, "kv_tokens": engine.kv_tokens,
+        figures = {"offload_gib": offload_gib, "block_size": args.block_size or "vLLM's",
+                   "kv_tokens": engine.kv_tokens,
                    "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": held,
                    "both_fit_in_cpu": (args.chats + others) * history <= held,
                    "history": history, "chats": args.chats, "others": others}
@@ -174,6 +182,10 @@ def parse(argv=None):
     parser.add_argument("--gap-s", type=float, default=0.2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=59)
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="vLLM's KV cache block size in tokens for these runs (default: "
+                             "vLLM's, 16 on a GPU): larger blocks are fewer, larger copies "
+                             "when a history is loaded back from CPU memory")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.plan == "cpu":  # the steps at a CPU's size: no offloading there

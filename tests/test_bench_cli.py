@@ -201,3 +201,21 @@ def test_the_rooms_engine_path_samples_as_the_guests_turns_do(config):
     assert guests_class(config, "Throughput-first") == {"priority": 1}
     assert guests_sampling(config, "") == guests_sampling(config, config.default_profile.name)
     assert parse([]).engine_repeats == 1 and parse(["--engine-repeats", "3"]).engine_repeats == 3
+
+
+def test_the_returning_bench_sets_the_kv_block_size_for_every_engine_when_asked():
+    """bench.returning --block-size: the profiles it runs on give vLLM that KV block size
+    (a returning chat's history is loaded back one block and layer per copy), checked by
+    the app's own loader; without it vLLM chooses."""
+    import yaml
+
+    from bench.returning import parse, profiles_with
+    from engine import load_config
+
+    path = profiles_with(32.0, 0.3, 64)
+    raw = yaml.safe_load(path.read_text())
+    assert raw["vllm"]["block_size"] == 64 and raw["memory"]["cpu_offload_gib"] == 32.0
+    assert load_config(path, env={}).vllm["block_size"] == 64
+    assert "block_size" not in (yaml.safe_load(profiles_with(0.0, None).read_text())
+                                .get("vllm") or {})
+    assert parse(["--block-size", "64"]).block_size == 64 and parse([]).block_size == 0
