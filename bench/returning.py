@@ -95,7 +95,7 @@ async def run(args, offload_gib: float) -> dict:
         # The native connector keeps every computed block in CPU memory, least recently
         # used out first: the first chats stay there only if both sets fit in it.
         held = offload_tokens(engine.kv_offload_gib, engine.kv_bytes_per_token)
-        figures = {"offload_gib": offload_gib, "block_size": args.block_size or "vLLM's",
+        figures = {"offload_gib": offload_gib, "block_size": engine.block_size,
                    "kv_tokens": engine.kv_tokens,
                    "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": held,
                    "both_fit_in_cpu": (args.chats + others) * history <= held,
