@@ -223,9 +223,9 @@ async def engine_path(args) -> dict:
     from engine import Engines, load_config
 
     config = load_config()
-    theirs, priority = guests_sampling(config, args.profile), guests_class(config, args.profile)
-    seats = args.engine_seats or args.guests
     pool = Engines(config)
+    theirs, priority = guests_sampling(config, args.profile), guests_class(pool, args.profile)
+    seats = args.engine_seats or args.guests
     await pool.start()
     runs: dict[str, list[dict]] = {"guests": [], "benches": []}
     try:
@@ -265,12 +265,12 @@ def guests_sampling(config, profile: str) -> dict:
     return {"temperature": sampling.temperature, "top_p": sampling.top_p}
 
 
-def guests_class(config, profile: str) -> dict:
-    """The class the guests' turns go to the shared engine in: their preset's priority, as
-    the app sends it (the planned scheduler keeps a step budget for the first class's
-    turns: sent in class 0, the engine path's turns were taken for Latency-first's; on 2 CPU
-    cores it then ran 13.6 turns at once where the app ran 62)."""
-    return {"priority": config.presets[config.profile_or_default(profile).preset].priority}
+def guests_class(pool, profile: str) -> dict:
+    """The class the guests' turns go to the shared engine in: the app's own (Engines.
+    priority, their preset's; the planned scheduler keeps a step budget for the first
+    class's turns: sent in class 0, the engine path's turns were taken for Latency-first's;
+    on 2 CPU cores it then ran 13.6 turns at once where the app ran 62)."""
+    return {"priority": pool.priority(pool.config.profile_or_default(profile).name)}
 
 
 def ratios(r: dict) -> dict:

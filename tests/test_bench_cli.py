@@ -191,14 +191,17 @@ def test_the_rooms_engine_path_samples_as_the_guests_turns_do(config):
     top_p 1; BENCHMARKS.md), and an empty profile (an invite for any) is the guests'
     default one."""
     from bench.room import guests_class, guests_sampling, parse
+    from engine import Engines
 
+    pool = Engines(config)  # not started: its figures only
     for profile in config.profiles:
         assert guests_sampling(config, profile.name) == {
             "temperature": profile.sampling.temperature, "top_p": profile.sampling.top_p}
         # In the class the app sends its turns in (the shared engine's priority).
-        assert guests_class(config, profile.name) == {
+        assert guests_class(pool, profile.name) == {
             "priority": config.presets[profile.preset].priority}
-    assert guests_class(config, "Throughput-first") == {"priority": 1}
+    assert guests_class(pool, "Throughput-first") == {"priority": 1}
+    assert guests_class(pool, "") == guests_class(pool, config.default_profile.name)
     assert guests_sampling(config, "") == guests_sampling(config, config.default_profile.name)
     assert parse([]).engine_repeats == 1 and parse(["--engine-repeats", "3"]).engine_repeats == 3
 
