@@ -5,9 +5,10 @@ GPUs, one worker each). When the core dies (killed, out of memory), each of its 
 sees its parent gone and exits by itself, seconds later (3 s on an idle 2-core machine, 6 s
 beside 3 busy processes); one that does not (a full test run once found one still running
 after its engine had started again; a stopped one never would) keeps its model weights and
-KV cache in memory while the engine is started again, which then may not fit. So each core's processes are noted once it runs (`CoreProcesses`),
-and before its engine starts again, those still running are asked to end (SIGTERM: a
-worker's own clean exit) and, past `END_GRACE_S`, killed.
+KV cache in memory while the engine is started again, which then may not fit. So each
+core's processes are noted once it runs (`CoreProcesses`), and before its engine starts
+again, those still running are asked to end (SIGTERM: a worker's own clean exit) and, past
+`END_GRACE_S`, killed.
 
 Each is a psutil.Process, which tells a process from a later one given the same pid.
 """

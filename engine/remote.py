@@ -225,8 +225,8 @@ class RemoteEngine(Engine):
                      on_finished: Callable[[], None] | None = None
                      ) -> AsyncIterator[str | Piece | TurnStats]:
         """Yield text deltas, then one TurnStats (`on_finished()` once the server's stream
-        has ended, before the stats). Leaving early closes the HTTP stream,
-        which makes the server abort the request. `priority` is the server's own matter;
+        has ended, before the stats). Leaving early closes the HTTP stream, which makes the
+        server abort the request. `priority` is the server's own matter;
         `session` goes in the remote block's `session_header`, for a router in front of
         several servers to keep a chat on one of them (and its prefix cache warm); a
         `decoding` goes as the request's own fields (vLLM's server's)."""

@@ -79,8 +79,8 @@ class StandInEngine(Engine):
         """`prompt.max_tokens` filler tokens, `tokens_per_step` of them every `step_s` by the
         clock: like vLLM, a reader who pulls late gets every token made meanwhile at once
         (the engine never waits for its readers), and `on_finished()` is called with the
-        last ones. It writes filler only: a turn asking for
-        more of the decoding (stop strings, JSON, log probabilities...) is refused."""
+        last ones. It writes filler only: a turn asking for more of the decoding (stop
+        strings, JSON, log probabilities...) is refused."""
         if not self.running:
             raise self.not_running()
         if decoding is not None and replace(decoding, token_ids=False) != Decoding():
