@@ -26,7 +26,6 @@ from chat.resume import Resuming, session_profile
 from chat.session import Conversation
 from chat.streaming import Pace
 from chat.turns import REGENERATE, user_name
-from chat.view import RANDOM_WEIGHTS, STAND_IN
 from chat.wiring import build, configure_logging
 from engine import ChatError, ConfigError, Message
 from engine.settings import setting
@@ -125,12 +124,8 @@ async def chat_start() -> None:
     conv = Conversation.start(session_profile(APP.config))
     cl.user_session.set("conversation", conv)
     await settings_panel(conv).send()
-    if APP.engines.stand_in:
-        await cl.Message(content=STAND_IN).send()
-    elif APP.config.random_weights:
-        await cl.Message(content=RANDOM_WEIGHTS).send()
-    # While the model starts, the page says so above the chat (public/model-status.js), not
-    # in it: a message here switched Chainlit's view and lost what the user was typing.
+    # The model's state and a test mode the page says above the chat (public/model-status.js),
+    # not in it: a message here switched Chainlit's view and lost what the user was typing.
 
 
 @cl.on_chat_resume

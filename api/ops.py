@@ -5,8 +5,8 @@
                   flight, and whether the database answers and which writes it refused;
                   with several front ends (launcher.py), which one answered,
                   each one's status, and 200 only when every one is ready
-    GET /notice   what every open page says above the chat about the engines' state
-                  (public/model-status.js): always 200
+    GET /notice   what every open page says above the chat (public/model-status.js): the
+                  engines' state, else a test mode or a demo's banner; always 200
     GET /metrics  Prometheus' text format: the app's series (service/turn_metrics.py), every
                   engine's vLLM series by preset and how accounts share each preset's line
                   (engine/metrics.py), the process's own;

@@ -23,15 +23,23 @@ CUT_OFF = ("The server that was answering your last message went away before the
            "with everything before it: please send that message again.")
 CUT_SHORT = ("\n\n*Cut short: the app is shutting down. Send your message again once it is "
              "back for a full reply.*")
-STAND_IN = ("**Benchmark mode:** this server runs a stand-in engine, not a model. Replies are "
+STAND_IN = ("Benchmark mode: this server runs a stand-in engine, not a model. Replies are "
             "filler text produced at a set speed to measure the chat layer.")
 NOT_SAVED = ("This turn is shown but could not be saved to your chat history (the database "
              "refused it; the operator's log says why). It will be missing if you reopen "
              "this chat.")
 NOT_REGENERATED = ("Only the last reply can be written again, and only when no reply is being "
                    "written: this one stays as it is.")
-RANDOM_WEIGHTS = ("**Test mode:** this server runs the model with random weights (its real "
+RANDOM_WEIGHTS = ("Test mode: this server runs the model with random weights (its real "
                   "size and speed, but no training). Replies are random text, not answers.")
+
+
+def page_line(status: str, *standing: str | None) -> str | None:
+    """The line at the top of every open page (/notice): the engines' state while they are
+    not ready, else what always holds here (`standing`: a test mode, a demo), or none. In
+    that line, not in the chat: a message at a chat's start switched Chainlit's view under
+    the input and lost what the user had begun typing."""
+    return page_notice(status) or " ".join(p for p in standing if p) or None
 
 
 def page_notice(status: str) -> str | None:

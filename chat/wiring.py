@@ -29,7 +29,7 @@ from chat.logins import Logins, slow_failing_addresses
 from chat.sso import HeaderLogin, SingleSignOn
 from chat.streaming import Pace
 from chat.turns import Turns
-from chat.view import page_notice
+from chat.view import RANDOM_WEIGHTS, STAND_IN, page_line
 from engine import ConfigError, Engines, load_config
 from engine.config import Config
 from engine.settings import check_all, setting
@@ -162,8 +162,12 @@ def build(http, sio, chainlit_config) -> Parts:
     demo = OpenDemo(setting("VCHAT_DEMO_GUESTS"), setting("VCHAT_DEMO_BY"),
                     setting("VCHAT_DEMO_GUESTS_PER_ADDRESS")) \
         if setting("VCHAT_DEMO") == "open" else None
-    ops = Ops(engines, shutdown, store, page_notice if demo is None else (
-        lambda status: page_notice(status) or demo.banner(guests.retention_days)), front_end)
+    # The line above every page's chat: the engines' state, else a test mode and a demo's
+    # banner (never a message in the chat: chat/view.py page_line).
+    mode = STAND_IN if engines.stand_in else RANDOM_WEIGHTS if config.random_weights else None
+    banner = demo.banner(guests.retention_days) if demo is not None else None
+    ops = Ops(engines, shutdown, store, lambda status: page_line(status, mode, banner),
+              front_end)
     turn_metrics = TurnMetrics(ops.registry, log_text=setting("VCHAT_LOG_MESSAGES"))
     # May a turn start (service/admission.py), for the chat and the API alike.
     admission = Admission(store.engine, guests.limits, store.reader)

@@ -1,7 +1,8 @@
 // A line at the top of the page while the model is not ready (starting, restarting,
-// failed, shutting down), gone once it is. It lives outside Chainlit's React tree: a chat
-// message for this switched Chainlit's view under the input and lost what the user was
-// typing. The words come from the server (/notice, chat/view.py).
+// failed, shutting down), gone once it is, but for what always holds (a test mode, a
+// demo's banner). It lives outside Chainlit's React tree: a chat message for this switched
+// Chainlit's view under the input and lost what the user was typing. The words come from
+// the server (/notice, chat/view.py page_line).
 (function () {
   const root = document.querySelector('meta[property="og:root_path"]')?.content || "";
   const UNTIL_READY_MS = 2000, WHILE_READY_MS = 15000;

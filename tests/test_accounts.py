@@ -180,9 +180,9 @@ async def test_a_chat_is_stored_listed_for_its_user_only_and_survives_a_restart(
                        key=lambda step: step["createdAt"])
         said = [(s["type"], s["output"]) for s in steps
                 if s["type"] in ("user_message", "assistant_message")]
-        # The stand-in's note at chat start, then the turn: both messages, in order.
-        assert said[-2:] == [("user_message", "Remember the word heliotrope."),
-                             ("assistant_message", reply.reply["output"])]
+        # The turn: both messages, in order (the stand-in's label is the page's, not the chat's).
+        assert said == [("user_message", "Remember the word heliotrope."),
+                        ("assistant_message", reply.reply["output"])]
 
 
 async def test_without_an_admin_configured_the_first_start_prints_one_password(tmp_path):

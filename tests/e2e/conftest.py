@@ -155,6 +155,9 @@ async def send(visit: Visit, text: str | None) -> int:
     before, asked = await page.locator(ASSISTANT).count(), await page.locator(USER).count()
     if text is not None:
         await page.fill("#chat-input", text)
+    # Chainlit's composer takes a message only while its session is connected and idle (the
+    # chat's start is a task too): its send button says when, and a person waits for it.
+    await page.wait_for_selector("#chat-submit:not([disabled])", timeout=30_000)
     sent = f"n => document.querySelectorAll('{USER}').length > n"
     await page.press("#chat-input", "Enter")
     try:  # the message is on the page: sent
