@@ -64,3 +64,13 @@ async def test_the_open_demo_sends_a_visitor_to_its_page_and_shows_its_banner(br
             await page.get_by_text("All my chats as JSON").wait_for()
             await page.wait_for_load_state("networkidle")
             assert await page.locator("#share-links, #share-chat").count() == 0
+            # The line covers the chat's top: closed, it stays closed in this tab (its words
+            # unchanged), a reload and the page's next look at /notice included.
+            await page.keyboard.press("Escape")  # the Export menu closed first
+            await page.click("#model-status-close")
+            await banner.wait_for(state="detached", timeout=5_000)
+            async with page.expect_response(lambda r: r.url.endswith("/notice")):
+                await page.reload()
+            await page.wait_for_selector("#chat-input", timeout=60_000)
+            await page.wait_for_timeout(1_000)  # its answer applied
+            assert await banner.count() == 0
