@@ -34,7 +34,7 @@ from tests.conftest import API_KEY as KEY
 from tests.test_accounts import add_user, store_command
 from tools.chainlit_client import ROOT, TEST_ENV
 from tools.polling import until
-from tools.vllm_server import VllmServer
+from tools.vllm_server import UNPINNED, VllmServer
 
 MODEL = "Throughput-first"
 WEATHER = {"type": "function", "function": {
@@ -52,7 +52,7 @@ def plain_server() -> VllmServer:
     config = load_config(env=env)
     setup = engine_setup(config, config.presets[config.profile(MODEL).preset],
                          resolve_model(config.model), Machine.here(), env)
-    return VllmServer(setup.args, {**env, **setup.env}, served_name=MODEL,
+    return VllmServer(setup.args, {**env, **setup.env, **UNPINNED}, served_name=MODEL,
                       extra_flags=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
 
 

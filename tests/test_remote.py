@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from tools.vllm_server import VllmServer
+from tools.vllm_server import UNPINNED, VllmServer
 from engine import ChatError, ConfigError, Engines, Message, TurnStats, load_config
 from engine.config import Remote
 from engine.decoding import Decoding, Piece
@@ -162,8 +162,8 @@ async def model_server():
     model = await asyncio.to_thread(resolve_model, "embedded")
     server = VllmServer({"model": model, "dtype": "float16", "enforce_eager": True,
                          "max_model_len": MAX_MODEL_LEN},
-                        {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                         "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}, SERVED)
+                        {**os.environ, **UNPINNED, "VLLM_CPU_KVCACHE_SPACE": "1",
+                         "HF_HUB_OFFLINE": "1"}, SERVED)
     server.start()
     try:
         await server.wait_ready()

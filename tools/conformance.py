@@ -200,7 +200,7 @@ async def start_app(key: str):
 
 
 async def start_vllm():
-    from tools.vllm_server import VllmServer
+    from tools.vllm_server import UNPINNED, VllmServer
     from engine import load_config
     from engine.launch import Machine, engine_setup
     from engine.model import resolve_model
@@ -212,7 +212,7 @@ async def start_vllm():
     setup = engine_setup(config, config.presets[profile.preset], resolve_model(config.model),
                          Machine.here(), env)
     args = {**setup.args, "max_model_len": 2048}
-    server = VllmServer(args, {**os.environ, **env, **setup.env, **RESPONSES_ENV},
+    server = VllmServer(args, {**os.environ, **env, **setup.env, **RESPONSES_ENV, **UNPINNED},
                         served_name=MODEL_NAME,
                         extra_flags=("--enable-auto-tool-choice", "--tool-call-parser",
                                      "hermes"))

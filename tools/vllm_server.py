@@ -26,6 +26,15 @@ from tools.chainlit_client import ROOT, free_port
 # ../shared/PLATFORM.md); deprecated in 0.32.0, still the same server.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
+# For a server that tests start beside the suite's other engines on a small machine: vLLM's
+# CPU worker left unpinned. Pinned (vLLM's default) to cores another engine keeps busy, a
+# starting worker got almost no CPU until that engine went idle: on the 2-core machine,
+# 2026-12-07, this server on the embedded model was ready in 40 s alone, in 227, 291 and
+# 394 s beside an app streaming 4 chats (each time just after they stopped; the new worker
+# runnable, bound to core 0, 9 ms of CPU in its first minute), in 55 s unpinned beside the
+# same. Benchmarks keep vLLM's binding: they measure speed and run alone.
+UNPINNED = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
 
 def vllm_parsers():
     """(FlexibleArgumentParser, the server's make_arg_parser, the benchmark's add_cli_args):
