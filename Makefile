@@ -33,7 +33,7 @@ test: model
 
 # The README's pictures, from the browser tests' last run (tests/e2e saves them).
 SHOTS := streamed-reply profile-picker history sso-login export-menu attached-document \
-  share-link shared-chat admin-invite admin-usage
+  share-link shared-chat admin-invite admin-usage invite-page demo-banner
 screenshots:
 	@for shot in $(SHOTS); do test -f .cache/e2e/$$shot.png || \
 	  { echo "no .cache/e2e/$$shot.png: run the browser tests first (make test)"; exit 1; }; done
