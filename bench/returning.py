@@ -11,7 +11,10 @@ once per `--offload-gib` value (0: none; memory.cpu_offload_gib). Each run:
 
 The GPU's cache is made small enough for this to fit one call (`--gpu-memory-utilization`),
 and `--others` is computed from it unless given. Figures per run: the returning chats'
-TTFT (p50, p95) and cached share, the others' tokens per second in step 2, preemptions.
+TTFT (p50, p95) and cached share, the others' tokens per second in step 2, preemptions;
+where the returning turns' first tokens went (the engine's legs: a history loaded back
+waits in "queued"), and what vLLM's offloading connector loaded back for them (GiB, the
+copies' own GPU time per chat, GB/s: the PCIe link's share of the TTFT).
 
     scripts/gpu_run.sh OUT returning --offload-gib 0 32               (on a GPU)
     scripts/gpu_run.sh OUT returning --offload-gib 0 32 --block-size 64   (larger blocks)
@@ -36,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from bench.isolation import random_ids
+from engine.llm import first_token_legs
 
 SHARED = "latency-first+throughput-first"
 PRIORITY = 1  # Throughput-first's class: a chat's turn as the app sends it
@@ -66,15 +70,39 @@ async def ask(llm, ids: list[int], reply: int) -> dict:
 
     params = SamplingParams(max_tokens=reply, ignore_eos=True, temperature=0.7, top_p=0.9,
                             output_kind=RequestOutputKind.DELTA)
-    start, first, tokens, cached = time.monotonic(), None, 0, None
-    async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params,
-                                  f"ret-{uuid.uuid4().hex}", priority=PRIORITY):
-        first = first or time.monotonic()
+    request_id = f"ret-{uuid.uuid4().hex}"
+    start, first, legs, tokens, cached = time.monotonic(), None, None, 0, None
+    async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id,
+                                  priority=PRIORITY):
+        if first is None:
+            first = time.monotonic()
+            legs = first_token_legs(llm, request_id, start, first)
         tokens += len(out.outputs[0].token_ids)
         if out.num_cached_tokens is not None:
             cached = out.num_cached_tokens
     return {"ttft_s": first - start, "tokens": tokens, "s": time.monotonic() - start,
-            "cached": cached or 0, "prompt": len(ids)}
+            "cached": cached or 0, "prompt": len(ids), "legs": legs}
+
+
+def legs_p50_ms(turns: list[dict]) -> dict[str, float] | None:
+    """Each leg of the turns' first tokens (stats.FIRST_TOKEN_LEGS), its median in ms.
+    A history loaded back from CPU memory is in "queued": vLLM schedules a turn only
+    once its blocks are back on the GPU; "prefill" is then the new message's."""
+    legs = [t["legs"] for t in turns if t["legs"]]
+    if not legs:
+        return None
+    return {leg: round(1000 * statistics.median(one[leg] for one in legs), 1)
+            for leg in legs[0]}
+
+
+def moved_back(before: dict, after: dict, chats: int) -> dict:
+    """What vLLM's offloading connector loaded back while the chats returned: GiB, the
+    copies' GPU time per chat, and their rate (GB/s); zeros without offloading."""
+    loaded = after["loaded_bytes"] - before["loaded_bytes"]
+    load_s = after["load_s"] - before["load_s"]
+    return {"back_loaded_gib": round(loaded / 2**30, 3),
+            "back_load_ms_per_chat": round(1000 * load_s / max(chats, 1), 1),
+            "back_load_gb_per_s": round(loaded / load_s / 1e9, 1) if load_s else None}
 
 
 async def run(args, offload_gib: float) -> dict:
@@ -108,6 +136,7 @@ async def run(args, offload_gib: float) -> dict:
         second = await asyncio.gather(*(ask(llm, random_ids(history, rng), args.reply)
                                         for _ in range(others)))
         second_s = time.monotonic() - started
+        moved = dict(engine.step_stats.offload)
         back = []
         for h in histories:  # one at a time, as people come back
             back.append(await ask(llm, h + random_ids(args.message, rng), args.reply))
@@ -121,6 +150,8 @@ async def run(args, offload_gib: float) -> dict:
             back_ttft_p95_s=ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
             back_cached_share=sum(b["cached"] for b in back) / sum(b["prompt"] for b in back),
             back_cached=[b["cached"] for b in back],
+            back_legs_ms_p50=legs_p50_ms(back),
+            **moved_back(moved, engine.step_stats.offload, len(back)),
             preempted=engine.step_stats.preempted - preempted)
         print(json.dumps(figures), flush=True)
         return figures

@@ -49,6 +49,30 @@ class StepSample:
     kv_cache_usage: float
 
 
+# vLLM's native KV offloading (its OffloadingConnector) counts what each step moved between
+# the GPU and CPU memory, in SchedulerStats.kv_connector_stats: bytes, and the copies' own
+# time on the GPU (CUDA events around them), each way. Our names for them:
+OFFLOAD_COUNTERS = {"vllm:kv_offload_load_bytes": "loaded_bytes",
+                    "vllm:kv_offload_load_time": "load_s",
+                    "vllm:kv_offload_store_bytes": "stored_bytes",
+                    "vllm:kv_offload_store_time": "store_s"}
+
+
+def offload_moved(payload) -> dict[str, float]:
+    """The offloading counters in one step's connector payload (vLLM's OffloadingConnector
+    stats: {"data": {name: {labels: value}}}), summed over their labels; {} for none or
+    another connector's."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, dict):
+        return {}
+    moved = {}
+    for name, ours in OFFLOAD_COUNTERS.items():
+        values = data.get(name)
+        if isinstance(values, dict):
+            moved[ours] = sum(v for v in values.values() if isinstance(v, (int, float)))
+    return moved
+
+
 class StepStats:
     """Collects vLLM's SchedulerStats for one engine (fed by a vLLM stat logger)."""
 
@@ -61,12 +85,14 @@ class StepStats:
         self.max_running = 0
         self.cache_queries = self.cache_hits = 0  # prompt tokens looked up in / found in
         self.preempted = 0  # requests vLLM had to take out and recompute (KV cache full)
+        self.offload = dict.fromkeys(OFFLOAD_COUNTERS.values(), 0.0)  # KV to and from CPU
 
     def reset(self) -> None:
         with self._lock:
             self.samples.clear()
             self.steps = self.max_running = 0
             self.cache_queries = self.cache_hits = self.preempted = 0
+            self.offload = dict.fromkeys(OFFLOAD_COUNTERS.values(), 0.0)
 
     def add(self, scheduler_stats) -> None:
         if scheduler_stats is None:
@@ -74,6 +100,7 @@ class StepStats:
         sample = StepSample(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
                             scheduler_stats.kv_cache_usage)
         cache = scheduler_stats.prefix_cache_stats
+        moved = offload_moved(getattr(scheduler_stats, "kv_connector_stats", None))
         with self._lock:
             self.samples.append(sample)
             self.steps += 1
@@ -81,6 +108,8 @@ class StepStats:
             self.cache_queries += cache.queries
             self.cache_hits += cache.hits
             self.preempted += cache.preempted_requests
+            for name, amount in moved.items():
+                self.offload[name] += amount
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -138,3 +138,40 @@ def test_the_engines_first_token_legs_are_counted_by_leg_and_logged(caplog):
                      if r.name == "vchat.turns")
     assert first["ttft_legs_ms"] == "to_engine:2.0,queued:10.0,prefill:30.0,back:8.0"
     assert "ttft_legs_ms" not in second
+
+
+def test_the_kv_moved_to_and_from_cpu_memory_is_summed_over_the_engines_steps():
+    """engine/stats.py's StepStats sums what vLLM's native KV offloading reports each step
+    (bytes and the copies' GPU time, each way): the returning-chats bench reads it. The
+    steps' SchedulerStats and their connector payloads are built with vLLM's own classes,
+    as its offloading connector fills them on a GPU (it does not run on a CPU); a step
+    without a connector, or another connector's payload, adds nothing."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats, _TransferMetricName as Name)
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from engine.stats import StepStats
+
+    def step(load: tuple[int, float] | None = None, store: tuple[int, float] | None = None,
+             payload: dict | None = None):
+        stats = OffloadingConnectorStats()
+        for moved, (size, time_s, sizes) in (
+                (load, (Name.LOAD_BYTES, Name.LOAD_TIME, Name.LOAD_SIZE)),
+                (store, (Name.STORE_BYTES, Name.STORE_TIME, Name.STORE_SIZE))):
+            if moved is not None:
+                stats.increase_counter(size, moved[0])
+                stats.increase_counter(time_s, moved[1])
+                stats.observe_histogram(sizes, moved[0])
+        return SchedulerStats(kv_connector_stats=payload if payload is not None else
+                              (None if stats.is_empty() else stats.data))
+
+    collected = StepStats()
+    for one in (step(load=(3 << 20, 0.002)), step(), step(store=(1 << 20, 0.001)),
+                step(load=(5 << 20, 0.003), store=(2 << 20, 0.0005)),
+                step(payload={"num_successful_transfers": 4})):
+        collected.add(one)
+    assert collected.steps == 5
+    assert collected.offload == {"loaded_bytes": 8 << 20, "load_s": 0.005,
+                                 "stored_bytes": 3 << 20, "store_s": 0.0015}
+    collected.reset()
+    assert set(collected.offload.values()) == {0}
