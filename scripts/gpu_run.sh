@@ -152,7 +152,7 @@ case "$step" in
   returning)  # bench.returning: returning chats with and without KV offloading to CPU
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.returning --out "$out/returning.json" "$@" > "$out/returning.log" 2>&1
-    status=$?; grep '^{' "$out/returning.log" | cut -c1-600
+    status=$?; grep '^{' "$out/returning.log" | cut -c1-1000
     [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
   room)  # bench.room: a room of guests joining by one invite link, all asking at once
     # Its figures written straight into OUT (a link in their place): the app's, saved
