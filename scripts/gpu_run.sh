@@ -15,6 +15,8 @@
 #                                                  streams) on the shipped shared engine
 #   scripts/gpu_run.sh OUT returning [ARGS...]     bench.returning (returning chats with and
 #                                                  without KV offloading to CPU memory)
+#   scripts/gpu_run.sh OUT link [ARGS...]          bench.link (the host-to-GPU link's
+#                                                  speed, pinned and pageable)
 #   scripts/gpu_run.sh OUT room [ARGS...]          bench.room (1,000 guests join by one
 #                                                  invite link and ask at once)
 #   scripts/gpu_run.sh OUT reliability [ARGS...]   bench.reliability (a front end, then the
@@ -153,7 +155,12 @@ case "$step" in
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.returning --out "$out/returning.json" "$@" > "$out/returning.log" 2>&1
     status=$?; grep '^{' "$out/returning.log" | cut -c1-1000
+    # vLLM's word on the CPU memory it offloads to (/dev/shm, pinned or not), and its size.
+    grep -i 'mmap file\|cudaHostRegister\|offload' "$out/returning.log" | grep -v '^{' \
+      | sort | uniq -c | sort -rn | head -8 | cut -c1-300; df -h /dev/shm | tail -1
     [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
+  link)  # bench.link: the host-to-GPU link's own speed (a returning chat's load's ceiling)
+    python3 -m bench.link --out "$out/link.json" "$@" ;;
   room)  # bench.room: a room of guests joining by one invite link, all asking at once
     # Its figures written straight into OUT (a link in their place): the app's, saved
     # before the engine path runs, come back even if the call's time runs out during it.
