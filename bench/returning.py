@@ -101,7 +101,7 @@ def moved_back(before: dict, after: dict, chats: int) -> dict:
     loaded = after["loaded_bytes"] - before["loaded_bytes"]
     load_s = after["load_s"] - before["load_s"]
     return {"back_loaded_gib": round(loaded / 2**30, 3),
-            "back_load_ms_per_chat": round(1000 * load_s / max(chats, 1), 1),
+            "back_load_ms_per_chat": round(1000 * load_s / chats, 1),
             "back_load_gb_per_s": round(loaded / load_s / 1e9, 1) if load_s else None}
 
 

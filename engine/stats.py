@@ -100,7 +100,7 @@ class StepStats:
         sample = StepSample(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
                             scheduler_stats.kv_cache_usage)
         cache = scheduler_stats.prefix_cache_stats
-        moved = offload_moved(getattr(scheduler_stats, "kv_connector_stats", None))
+        moved = offload_moved(scheduler_stats.kv_connector_stats)
         with self._lock:
             self.samples.append(sample)
             self.steps += 1
