@@ -155,8 +155,9 @@ case "$step" in
     VCHAT_MODEL=qwen3-4b-dummy VCHAT_ENFORCE_EAGER= VCHAT_MAX_MODEL_LEN= VCHAT_KV_CACHE_GIB= \
       python3 -m bench.returning --out "$out/returning.json" "$@" > "$out/returning.log" 2>&1
     status=$?; grep '^{' "$out/returning.log" | cut -c1-1000
-    # vLLM's word on the CPU memory it offloads to (/dev/shm, pinned or not), and its size.
-    grep -i 'mmap file\|cudaHostRegister\|offload' "$out/returning.log" | grep -v '^{' \
+    # vLLM's word on the CPU memory it offloads to (/dev/shm, pinned or not; 1 CPU tensor:
+    # the layers of a block laid out together, one copy a block), and /dev/shm's size.
+    grep -i 'mmap file\|cudaHostRegister\|CPU tensors\|offload' "$out/returning.log" | grep -v '^{' | sed 's/^.*\] //' \
       | sort | uniq -c | sort -rn | head -8 | cut -c1-300; df -h /dev/shm | tail -1
     [ "$status" = 0 ] || tail -40 "$out/returning.log"; exit $status ;;
   link)  # bench.link: the host-to-GPU link's own speed (a returning chat's load's ceiling)
