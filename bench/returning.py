@@ -18,6 +18,7 @@ copies' own GPU time per chat, GB/s: the PCIe link's share of the TTFT).
 
     scripts/gpu_run.sh OUT returning --offload-gib 0 32               (on a GPU)
     scripts/gpu_run.sh OUT returning --offload-gib 0 32 --block-size 64   (larger blocks)
+    scripts/gpu_run.sh OUT returning --offload-gib 0 32 --kv-cache-dtype fp8  (half the bytes)
     .venv/bin/python -m bench.returning --plan cpu                     (a CPU dry run: the
                                                   steps and figures, no offloading on a CPU)
 """
@@ -47,10 +48,10 @@ PROFILES = Path(__file__).resolve().parent.parent / "profiles.yaml"
 
 
 def profiles_with(offload_gib: float | str, gpu_memory_utilization: float | None,
-                  block_size: int | None = None) -> Path:
+                  block_size: int | None = None, kv_cache_dtype: str | None = None) -> Path:
     """The shipped profiles.yaml with this run's memory: section (GiB, or "auto"), and
-    vLLM's KV cache block size for every engine when given (tokens a block: a returning
-    chat's history is loaded back a block and a layer per copy)."""
+    vLLM's KV cache block size and dtype for every engine when given (tokens a block, and
+    "fp8": half the bytes a token, so half a returning chat's load)."""
     raw = yaml.safe_load(PROFILES.read_text())
     raw["memory"]["cpu_offload_gib"] = offload_gib if offload_gib == "auto" \
         else float(offload_gib)
@@ -58,6 +59,8 @@ def profiles_with(offload_gib: float | str, gpu_memory_utilization: float | None
         raw["memory"]["gpu_memory_utilization"] = gpu_memory_utilization
     if block_size:
         raw.setdefault("vllm", {})["block_size"] = block_size
+    if kv_cache_dtype:
+        raw.setdefault("vllm", {})["kv_cache_dtype"] = kv_cache_dtype
     path = Path(tempfile.mkdtemp(prefix="returning-")) / "profiles.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -110,7 +113,7 @@ async def run(args, offload_gib: float) -> dict:
     from engine.pool import offload_tokens
 
     os.environ["VCHAT_PROFILES"] = str(profiles_with(offload_gib, args.gpu_memory_utilization,
-                                                     args.block_size))
+                                                     args.block_size, args.kv_cache_dtype))
     pool = Engines(load_config())
     await pool.start()
     try:
@@ -124,7 +127,7 @@ async def run(args, offload_gib: float) -> dict:
         # used out first: the first chats stay there only if both sets fit in it.
         held = offload_tokens(engine.kv_offload_gib, engine.kv_bytes_per_token)
         figures = {"offload_gib": offload_gib, "block_size": engine.block_size,
-                   "kv_tokens": engine.kv_tokens,
+                   "kv_tokens": engine.kv_tokens, "kv_bytes_per_token": engine.kv_bytes_per_token,
                    "kv_offload_gib": engine.kv_offload_gib, "offload_tokens": held,
                    "both_fit_in_cpu": (args.chats + others) * history <= held,
                    "history": history, "chats": args.chats, "others": others}
@@ -217,6 +220,10 @@ def parse(argv=None):
                         help="vLLM's KV cache block size in tokens for these runs (default: "
                              "vLLM's, 16 on a GPU): larger blocks are fewer, larger copies "
                              "when a history is loaded back from CPU memory")
+    parser.add_argument("--kv-cache-dtype", choices=("fp8",),
+                        help="vLLM's KV cache dtype for these runs (default: the model's, "
+                             "bf16): fp8 halves the bytes a returning chat loads back, and "
+                             "changes the model's numbers (a product decision, not a bench's)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.plan == "cpu":  # the steps at a CPU's size: no offloading there

@@ -206,10 +206,10 @@ def test_the_rooms_engine_path_samples_as_the_guests_turns_do(config):
     assert parse([]).engine_repeats == 1 and parse(["--engine-repeats", "3"]).engine_repeats == 3
 
 
-def test_the_returning_bench_sets_the_kv_block_size_for_every_engine_when_asked():
-    """bench.returning --block-size: the profiles it runs on give vLLM that KV block size
-    (a returning chat's history is loaded back one block and layer per copy), checked by
-    the app's own loader; without it vLLM chooses."""
+def test_the_returning_bench_sets_the_kv_block_size_and_dtype_for_every_engine_when_asked():
+    """bench.returning --block-size and --kv-cache-dtype: the profiles it runs on give vLLM
+    that KV block size and dtype (what a returning chat's history loads back as), checked
+    by the app's own loader; without them vLLM chooses."""
     import yaml
 
     from bench.returning import parse, profiles_with
@@ -222,3 +222,7 @@ def test_the_returning_bench_sets_the_kv_block_size_for_every_engine_when_asked(
     assert "block_size" not in (yaml.safe_load(profiles_with(0.0, None).read_text())
                                 .get("vllm") or {})
     assert parse(["--block-size", "64"]).block_size == 64 and parse([]).block_size == 0
+    fp8 = profiles_with(32.0, 0.3, kv_cache_dtype="fp8")
+    assert load_config(fp8, env={}).vllm["kv_cache_dtype"] == "fp8"
+    assert parse(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parse([]).kv_cache_dtype is None
